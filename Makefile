@@ -1,0 +1,37 @@
+# `make test` works on a fresh machine: it creates .venv, installs the CPU build of torch and the
+# package with its dev extras, then runs the suite. A second run skips the installs (the stamp
+# file is newer than setup.py).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_CPU := torch==2.13.0
+
+.PHONY: test lint format bench clean
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_CPU)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_logprob.py
+	$(PY) benchmarks/bench_cw_overhead.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,69 @@
+"""Scopes: the pools of tokens over which covariance statistics are taken (pure tensor code).
+
+A scope assigns every sequence (row) of the local batch to one of K pools (`segment [b]`) and
+says how per-pool sums are completed across ranks (`reduce_sum`, identity for a local pool).
+All three named scopes of DESIGN section 1 are instances:
+
+    global       K = 1, every row in pool 0, sums reduced over the data-parallel group
+    group        K = prompts, pool = prompt index; a group never spans ranks, so no reduction
+    micro_batch  K = micro-batches, pool = micro-batch index; local (layout-dependent)
+
+The constructors that attach collectives live in `cwgrpo_megatron.dist.scopes`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SCOPE_NAMES = ("global", "group", "micro_batch")
+
+
+def _local(sums: Tensor) -> Tensor:
+    return sums
+
+
+@dataclass(frozen=True, eq=False)
+class Scope:
+    """`segment [b]` (int64 pool index per row), `num_segments` K, and `reduce_sum`, which
+    turns this rank's per-pool sums `[K, j]` into the sums over every rank of the pool."""
+
+    segment: Tensor
+    num_segments: int
+    reduce_sum: Callable[[Tensor], Tensor] = _local
+    name: str = "local"
+
+    def sums(self, mask: Tensor, *columns: Tensor) -> Tensor:
+        """[K, j] float64: column j holds sum over the pool of mask * columns[j] (all [b, s]).
+
+        Row sums are taken first, then scattered into pools, so the cost is O(b s) reads and an
+        O(b) scatter; then one `reduce_sum` call (one all-reduce of K * j scalars at most).
+        """
+        m = mask.to(torch.float64)
+        per_row = torch.stack([(m * c.to(torch.float64)).sum(dim=-1) for c in columns], dim=-1)
+        pooled = per_row.new_zeros(self.num_segments, len(columns))
+        pooled.index_add_(0, self.segment, per_row)
+        return self.reduce_sum(pooled)
+
+    def per_token(self, pool_values: Tensor) -> Tensor:
+        """Broadcast `[K]` pool values to `[b, 1]`, ready to combine with `[b, s]` tensors."""
+        return pool_values[self.segment].unsqueeze(-1)
+
+
+def single_pool(batch_size: int, *, device: torch.device | str = "cpu") -> Scope:
+    """Every local row in one pool, not reduced: the 1-process `global` scope."""
+    return Scope(
+        segment=torch.zeros(batch_size, dtype=torch.long, device=device),
+        num_segments=1,
+        name="global",
+    )
+
+
+def pools_from_index(index: Tensor, *, name: str) -> Scope:
+    """Local pools given by `index [b]` (e.g. prompt index or micro-batch index per row).
+
+    Indices are relabelled to 0..K-1 so that any integer labels may be used.
+    """
+    labels, segment = torch.unique(index, return_inverse=True)
+    return Scope(segment=segment.to(torch.long), num_segments=int(labels.numel()), name=name)

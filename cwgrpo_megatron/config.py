@@ -1,0 +1,202 @@
+"""Typed, keyword-only configuration: the one source of truth.
+
+YAML files and `a.b=c` command-line overrides only *override* the defaults declared here. An
+unknown key, a value of the wrong type or an impossible value raises `ValueError` naming the key
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cwgrpo_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
+from cwgrpo_megatron.algo.aggregation import LOSS_AGGREGATIONS
+from cwgrpo_megatron.algo.kl import KL_ESTIMATORS
+from cwgrpo_megatron.algo.losses import POLICY_LOSSES
+from cwgrpo_megatron.algo.scope import SCOPE_NAMES
+
+
+def _check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def _check_range(key: str, value: float, *, low: float, high: float | None = None) -> None:
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{key}={value!r} is out of range; it must be {bound}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class AlgoConfig:
+    """The policy-gradient algorithm (DESIGN section 1)."""
+
+    policy_loss: str = "cw_grpo"
+    """Policy loss: grpo, cw_grpo, clip_cov or kl_cov."""
+    advantage_estimator: str = "grpo"
+    """Group advantage estimator (registry name)."""
+    adv_std_normalize: bool = True
+    """Divide group-centred rewards by the group std (GRPO); false gives Dr.GRPO advantages."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    cov_scope: str = "global"
+    """Token pool of the covariance statistics: global, group or micro_batch (layout-dependent)."""
+    clip_eps_low: float = 0.2
+    """PPO ratio clip below: rho >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """PPO ratio clip above: rho <= 1 + clip_eps_high."""
+    kl_beta: float = 0.0
+    """Weight of the KL term to the reference policy; 0 disables the reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3."""
+    loss_agg: str = "token-mean"
+    """Aggregation over the global mini-batch: token-mean, seq-mean-token-mean,
+    seq-mean-token-sum-norm."""
+    loss_norm_length: int | None = None
+    """Constant length L of seq-mean-token-sum-norm (Dr.GRPO): set it to the max response tokens."""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: fraction of scope tokens whose gradient is detached (Cui et al. 2025)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance band eligible for detaching."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of that band."""
+    kl_cov_ratio: float = 2e-3
+    """kl_cov: fraction of scope tokens, those of largest covariance, given the KL penalty."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: coefficient of |logp - old_logp| on the selected tokens."""
+
+    def __post_init__(self) -> None:
+        _check_choice("algo.policy_loss", self.policy_loss, POLICY_LOSSES.names())
+        _check_choice(
+            "algo.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS.names()
+        )
+        _check_choice("algo.cov_scope", self.cov_scope, SCOPE_NAMES)
+        _check_choice("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS.names())
+        _check_choice("algo.loss_agg", self.loss_agg, LOSS_AGGREGATIONS.names())
+        _check_range("algo.adv_eps", self.adv_eps, low=0.0)
+        _check_range("algo.clip_eps_low", self.clip_eps_low, low=0.0, high=1.0)
+        _check_range("algo.clip_eps_high", self.clip_eps_high, low=0.0)
+        _check_range("algo.kl_beta", self.kl_beta, low=0.0)
+        _check_range("algo.clip_cov_ratio", self.clip_cov_ratio, low=0.0, high=1.0)
+        _check_range("algo.kl_cov_ratio", self.kl_cov_ratio, low=0.0, high=1.0)
+        _check_range("algo.kl_cov_coef", self.kl_cov_coef, low=0.0)
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(
+                f"algo.clip_cov_lb={self.clip_cov_lb} must be below "
+                f"algo.clip_cov_ub={self.clip_cov_ub}"
+            )
+        if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_norm_length is None:
+            raise ValueError(
+                "algo.loss_agg=seq-mean-token-sum-norm needs algo.loss_norm_length: "
+                "set it to the maximum number of response tokens"
+            )
+        if self.loss_norm_length is not None:
+            _check_range("algo.loss_norm_length", self.loss_norm_length, low=1)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Config:
+    """A whole run. Later sections (model, parallel, rollout, data) join `algo` here."""
+
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """The policy-gradient algorithm."""
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults <- YAML file at `path` <- `overrides` such as ``algo.kl_beta=0.04``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"{path}: the top level must be a mapping of sections, got {loaded!r}")
+        data = dict(loaded)
+    for item in overrides:
+        _apply_override(data, item)
+    return _build(Config, data, prefix="")
+
+
+def dump_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML, atomically (temp file in the same folder, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override {item!r} must look like section.key=value")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _build(cls: type, data: Any, *, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown key '{prefix}{unknown[0]}' in {where}; known keys: {', '.join(fields)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, prefix=f"{key}.")
+        else:
+            kwargs[name] = _coerce(key, value, hint)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check `value` against a scalar type hint; YAML 1.1 reads 1e-6 as a string, so parse it."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (hint,) = [t for t in options if t is not type(None)]
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and not isinstance(value, bool):
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    if hint is str and isinstance(value, str):
+        return value
+    raise ValueError(f"{key}={value!r} has the wrong type; expected {hint.__name__}")

@@ -1,0 +1,35 @@
+"""Reduce a metrics dict over a group with two all-reduces (SUM for means, MAX for extremes)."""
+
+import torch
+
+from cwgrpo_megatron.algo.metrics import Metric, Metrics
+from cwgrpo_megatron.dist.collectives import Group, max_over, sum_over
+
+
+def reduce_metrics(metrics: Metrics, *, group: Group = None) -> Metrics:
+    """Global metrics: mean-type (sum, count) pairs summed, min/max combined, over `group`.
+
+    Every rank must pass the same metric names (in any order); names are sorted so that the
+    packed vectors line up.
+    """
+    names = sorted(metrics)
+    means = [n for n in names if metrics[n].kind == "mean"]
+    extremes = [n for n in names if metrics[n].kind != "mean"]
+    out: Metrics = {}
+    if means:
+        packed = torch.stack(
+            [metrics[n].value.to(torch.float64) for n in means]
+            + [metrics[n].count.to(torch.float64) for n in means]
+        )
+        total = sum_over(packed, group)
+        for i, n in enumerate(means):
+            out[n] = Metric(total[i], total[len(means) + i], "mean")
+    if extremes:
+        signs = torch.tensor(
+            [-1.0 if metrics[n].kind == "min" else 1.0 for n in extremes], dtype=torch.float64
+        )
+        packed = torch.stack([metrics[n].value.to(torch.float64) for n in extremes]) * signs
+        total = max_over(packed, group) * signs
+        for i, n in enumerate(extremes):
+            out[n] = Metric(total[i], metrics[n].count, metrics[n].kind)
+    return out

@@ -1,0 +1,30 @@
+"""cwgrpo_megatron: Covariance-Aware GRPO on Megatron-Core with vLLM rollouts."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="cwgrpo_megatron",
+    version="0.1.0",
+    description="Covariance-Aware GRPO (CW-GRPO) for Qwen2-family models on Megatron-Core",
+    python_requires=">=3.11",
+    packages=find_packages(include=["cwgrpo_megatron", "cwgrpo_megatron.*"]),
+    install_requires=[
+        # The CPU set-up pins torch==2.13.0 before installing us (see Makefile): an unpinned
+        # torch resolves to a multi-GB CUDA build.
+        "torch>=2.4",
+        # 0.16.x is what Python 3.11 resolves to; 0.17+ need Python 3.12.
+        "megatron-core>=0.16,<0.20",
+        # megatron-core's dist-checkpointing imports psutil but the wheel does not declare it.
+        "psutil",
+        "transformers",
+        "safetensors",
+        "pyyaml",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        "dev": ["pytest", "hypothesis", "ruff"],
+        "vllm": ["vllm"],
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+)
