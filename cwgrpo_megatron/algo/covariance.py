@@ -29,14 +29,23 @@ from cwgrpo_megatron.algo.scope import Scope
 
 
 class CovarianceStats(NamedTuple):
-    """Per-pool statistics `[K]` (float64) and the per-token covariance `cov [b, s]`."""
+    """Per-pool statistics `[K]` (float64); the per-token covariance `cov [b, s]` and its
+    square `cov_sq` (compute dtype, zero outside the mask); and `local_sums [3]`, this rank's
+    own (tokens, sum c, sum c^2), for metrics that are reduced later."""
 
     count: Tensor
     logp_mean: Tensor
     adv_mean: Tensor
     cov: Tensor
+    cov_sq: Tensor
     cov_mean: Tensor
     cov_std: Tensor
+    local_sums: Tensor
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """Per-token math runs in fp32 (fp64 inputs stay fp64); every sum is float64."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def centred_covariance(logp: Tensor, adv: Tensor, mask: Tensor, scope: Scope) -> CovarianceStats:
@@ -44,19 +53,29 @@ def centred_covariance(logp: Tensor, adv: Tensor, mask: Tensor, scope: Scope) ->
 
     Two `scope.reduce_sum` calls: (N, sum l, sum A) then (sum c, sum c^2).
     """
-    logp = logp.detach().to(torch.float64)
-    adv = adv.detach().to(torch.float64)
-    m = mask.to(torch.float64)
-    first = scope.sums(m, torch.ones_like(logp), logp, adv)
+    dtype = compute_dtype(logp)
+    logp = logp.detach().to(dtype)
+    adv = adv.detach().to(dtype)
+    m = mask.to(dtype)
+    first_local = scope.local_sums(m, logp * m, adv * m)
+    first = scope.reduce_sum(first_local)
     count = first[:, 0]
     safe_count = count.clamp(min=1.0)
     logp_mean = first[:, 1] / safe_count
     adv_mean = first[:, 2] / safe_count
-    cov = (logp - scope.per_token(logp_mean)) * (adv - scope.per_token(adv_mean)) * m
-    second = scope.sums(m, cov, cov * cov)
+    cov = (logp - scope.per_token(logp_mean).to(dtype)) * (
+        adv - scope.per_token(adv_mean).to(dtype)
+    )
+    cov.mul_(m)
+    cov_sq = cov.square()
+    second_local = scope.local_sums(cov, cov_sq)
+    second = scope.reduce_sum(second_local)
     cov_mean = second[:, 0] / safe_count
     cov_var = (second[:, 1] / safe_count - cov_mean * cov_mean).clamp(min=0.0)
-    return CovarianceStats(count, logp_mean, adv_mean, cov, cov_mean, cov_var.sqrt())
+    local_sums = torch.cat([first_local[:, 0].sum().view(1), second_local.sum(dim=0)])
+    return CovarianceStats(
+        count, logp_mean, adv_mean, cov, cov_sq, cov_mean, cov_var.sqrt(), local_sums
+    )
 
 
 def kernel_weights(stats: CovarianceStats, mask: Tensor, scope: Scope) -> Tensor:
@@ -64,21 +83,24 @@ def kernel_weights(stats: CovarianceStats, mask: Tensor, scope: Scope) -> Tensor
 
     One `scope.reduce_sum` call: (sum w).
     """
-    m = mask.to(torch.float64)
+    dtype = stats.cov.dtype
     sigma = stats.cov_std
-    degenerate = sigma == 0
-    two_var = torch.where(degenerate, torch.ones_like(sigma), 2.0 * sigma * sigma)
+    inv_two_var = torch.where(sigma == 0, 0.0, 0.5 / (sigma * sigma).clamp(min=1e-300))
     shift = (stats.cov_mean.abs() - sigma * stats.count.sqrt()).clamp(min=0.0).square()
-    # Masked tokens are outside the pool, where c^2 >= s need not hold: zero their exponent.
-    exponent = (stats.cov.square() - scope.per_token(shift)) / scope.per_token(two_var) * m
-    w = torch.where(scope.per_token(degenerate), torch.ones_like(exponent), torch.exp(-exponent))
-    w_sum = scope.sums(m, w)[:, 0]
+    # exponent = (c^2 - s) / (2 sigma^2): 0 (w = 1) where sigma == 0, and +inf (w = 0) outside
+    # the mask, where c^2 >= s need not hold.
+    exponent = stats.cov_sq - scope.per_token(shift).to(dtype)
+    exponent.mul_(scope.per_token(inv_two_var).to(dtype)).masked_fill_(mask <= 0, float("inf"))
+    w = torch.exp(exponent.neg_())
+    w_sum = scope.sums(w)[:, 0]
+    # A pool whose kernel underflowed everywhere falls back to w~ = 1 (the sigma == 0 rule).
     underflow = w_sum <= 0
-    scale = stats.count / torch.where(underflow, torch.ones_like(w_sum), w_sum)
-    weights = torch.where(
-        scope.per_token(underflow), torch.ones_like(w), w * scope.per_token(scale)
+    scale = torch.where(underflow, 0.0, stats.count / torch.where(underflow, 1.0, w_sum))
+    fallback = underflow.to(dtype)
+    weights = torch.addcmul(
+        w * scope.per_token(scale).to(dtype), scope.per_token(fallback), mask.to(dtype)
     )
-    return (weights * m).to(torch.float32)
+    return weights.to(torch.float32)
 
 
 def covariance_weights(

@@ -92,34 +92,37 @@ class PolicyLoss:
     ) -> Prepared:
         return Prepared(None, {})
 
-    def token_loss(self, batch: PolicyBatch, cfg: AlgoConfig) -> tuple[Tensor, Metrics]:
-        per_token, metrics = clipped_surrogate(batch, batch.advantages, cfg)
-        return per_token, metrics
+    def token_loss(self, batch: PolicyBatch, cfg: AlgoConfig) -> tuple[Tensor, Tensor, Metrics]:
+        """(per-token loss x, ratio rho, loss-specific metrics); tensors are `[b, s]`."""
+        return clipped_surrogate(batch, batch.advantages, cfg)
 
     def __call__(self, batch: PolicyBatch, cfg: AlgoConfig) -> LossOutput:
-        per_token, metrics = self.token_loss(batch, cfg)
+        per_token, ratio, metrics = self.token_loss(batch, cfg)
+        count = batch.mask.to(torch.float64).sum()
         if cfg.kl_beta > 0:
             if batch.ref_logp is None:
                 raise ValueError("kl_beta > 0 needs ref_logp from the reference policy")
             kl = get_kl_estimator(cfg.kl_estimator)(batch.logp, batch.ref_logp)
             per_token = per_token + cfg.kl_beta * kl
-            metrics["kl_mean"] = mean_metric(kl, batch.mask)
+            metrics["kl_mean"] = mean_metric(kl, batch.mask, count)
         if batch.entropy is not None:
-            metrics["entropy_mean"] = mean_metric(batch.entropy, batch.mask)
-        metrics["ratio_mean"] = mean_metric(torch.exp(batch.logp - batch.old_logp), batch.mask)
+            metrics["entropy_mean"] = mean_metric(batch.entropy, batch.mask, count)
+        metrics["ratio_mean"] = mean_metric(ratio, batch.mask, count)
         aggregate = get_loss_aggregation(cfg.loss_agg)
         loss_sum, count = aggregate(per_token, batch.mask, norm_length=cfg.loss_norm_length)
         return LossOutput(loss_sum, count, metrics)
 
 
-def clipped_surrogate(batch: PolicyBatch, adv: Tensor, cfg: AlgoConfig) -> tuple[Tensor, Metrics]:
-    """x = -min(rho adv, clip(rho, 1-eps_low, 1+eps_high) adv), `[b, s]`, and its clip fraction."""
+def clipped_surrogate(
+    batch: PolicyBatch, adv: Tensor, cfg: AlgoConfig
+) -> tuple[Tensor, Tensor, Metrics]:
+    """x = -min(rho adv, clip(rho, 1-eps_low, 1+eps_high) adv) `[b, s]`, rho, clip fraction."""
     ratio = torch.exp(batch.logp - batch.old_logp)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
-    clip_frac = mean_metric((clipped < unclipped).to(torch.float64), batch.mask)
-    return per_token, {"clip_frac": clip_frac}
+    clip_frac = mean_metric((clipped < unclipped).to(per_token.dtype), batch.mask)
+    return per_token, ratio, {"clip_frac": clip_frac}
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
@@ -156,9 +159,7 @@ class CovarianceWeightedLoss(PolicyLoss):
     def prepare(self, old_logp, advantages, mask, *, scope, cfg, generator=None):
         stats = centred_covariance(old_logp, advantages, mask, scope)
         weights = kernel_weights(stats, mask, scope)
-        return Prepared(
-            weights, {**covariance_metrics(stats, mask), **weight_metrics(weights, mask)}
-        )
+        return Prepared(weights, {**covariance_metrics(stats), **weight_metrics(weights, mask)})
 
     def token_loss(self, batch, cfg):
         weights = _require_stat(batch, self.name).detach()
@@ -185,20 +186,20 @@ class ClipCovLoss(PolicyLoss):
         stats = centred_covariance(old_logp, advantages, mask, scope)
         m = mask > 0
         band = m & (stats.cov > cfg.clip_cov_lb) & (stats.cov < cfg.clip_cov_ub)
-        band_count = scope.sums(mask, band.to(torch.float64))[:, 0]
+        band_count = scope.sums(band.to(stats.cov.dtype))[:, 0]
         target = torch.floor(cfg.clip_cov_ratio * stats.count).clamp(min=1.0)
         prob = (target / band_count.clamp(min=1.0)).clamp(max=1.0)
         uniform = torch.rand(mask.shape, generator=generator, dtype=torch.float64)
         detached = band & (uniform.to(mask.device) < scope.per_token(prob))
         keep = (~detached).to(torch.float32)
-        metrics = covariance_metrics(stats, mask)
-        metrics["clip_cov_frac"] = mean_metric(detached.to(torch.float64), mask)
+        metrics = covariance_metrics(stats)
+        metrics["clip_cov_frac"] = mean_metric(detached.to(torch.float32), mask)
         return Prepared(keep, metrics)
 
     def token_loss(self, batch, cfg):
         keep = _require_stat(batch, self.name) > 0
-        per_token, metrics = clipped_surrogate(batch, batch.advantages, cfg)
-        return torch.where(keep, per_token, per_token.detach()), metrics
+        per_token, ratio, metrics = clipped_surrogate(batch, batch.advantages, cfg)
+        return torch.where(keep, per_token, per_token.detach()), ratio, metrics
 
 
 @register_policy_loss("kl_cov")
@@ -219,15 +220,15 @@ class KLCovLoss(PolicyLoss):
         )
         threshold = kth_largest(stats, mask, k, scope)
         selected = (mask > 0) & (stats.cov >= scope.per_token(threshold))
-        metrics = covariance_metrics(stats, mask)
-        metrics["kl_cov_frac"] = mean_metric(selected.to(torch.float64), mask)
+        metrics = covariance_metrics(stats)
+        metrics["kl_cov_frac"] = mean_metric(selected.to(torch.float32), mask)
         return Prepared(selected.to(torch.float32), metrics)
 
     def token_loss(self, batch, cfg):
         selected = _require_stat(batch, self.name)
         ratio = torch.exp(batch.logp - batch.old_logp)
         penalty = cfg.kl_cov_coef * (batch.logp - batch.old_logp).abs()
-        return -ratio * batch.advantages + selected * penalty, {}
+        return -ratio * batch.advantages + selected * penalty, ratio, {}
 
 
 _SEARCH_PROBES = 7
@@ -250,10 +251,12 @@ def kth_largest(stats: CovarianceStats, mask: Tensor, k: Tensor, scope: Scope) -
     for _ in range(_SEARCH_ROUNDS):
         probes = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * fractions  # [K, P]
         token_probes = probes[scope.segment]  # [b, P]
+        in_pool = mask > 0
         columns = [
-            (cov >= token_probes[:, j : j + 1]).to(torch.float64) for j in range(_SEARCH_PROBES)
+            (in_pool & (cov >= token_probes[:, j : j + 1])).to(cov.dtype)
+            for j in range(_SEARCH_PROBES)
         ]
-        counts = scope.sums(mask, *columns)  # [K, P]
+        counts = scope.sums(*columns)  # [K, P]
         enough = counts >= k.unsqueeze(-1)  # monotone: True then False along P
         below = enough.sum(dim=-1)  # number of probes still at or below the k-th value
         idx = (below - 1).clamp(min=0)

@@ -28,20 +28,24 @@ class Metric(NamedTuple):
     kind: str
 
 
-def mean_metric(values: Tensor, mask: Tensor) -> Metric:
-    """Token mean of `values [b, s]` over `mask [b, s]`, as (sum, count)."""
-    m = mask.to(torch.float64)
-    return Metric((values.detach().to(torch.float64) * m).sum(), m.sum(), "mean")
+def mean_metric(values: Tensor, mask: Tensor, count: Tensor | None = None) -> Metric:
+    """Token mean of `values [b, s]` over `mask [b, s]`, as (sum, count); the product is formed
+    in the values' precision and summed in float64. Pass `count` to reuse the token count."""
+    total = (values.detach() * mask).to(torch.float64).sum()
+    if count is None:
+        count = mask.to(torch.float64).sum()
+    return Metric(total, count, "mean")
 
 
 def extreme_metric(values: Tensor, mask: Tensor, kind: str) -> Metric:
     """Min or max of `values` over the masked tokens; +inf / -inf when there are none."""
     fill = float("inf") if kind == "min" else float("-inf")
-    masked = torch.where(mask > 0, values.detach().to(torch.float64), fill)
-    reduced = masked.min() if kind == "min" else masked.max()
-    if masked.numel() == 0:
-        reduced = torch.tensor(fill, dtype=torch.float64)
-    return Metric(reduced, torch.ones((), dtype=torch.float64), kind)
+    one = torch.ones((), dtype=torch.float64)
+    if values.numel() == 0:
+        return Metric(torch.tensor(fill, dtype=torch.float64), one, kind)
+    masked = values.detach().masked_fill(mask <= 0, fill)
+    reduced = masked.amin() if kind == "min" else masked.amax()
+    return Metric(reduced.to(torch.float64), one, kind)
 
 
 def merge(a: Metrics, b: Metrics) -> Metrics:
@@ -76,19 +80,29 @@ def finalize(metrics: Metrics) -> dict[str, Tensor]:
     return out
 
 
-def covariance_metrics(stats: CovarianceStats, mask: Tensor) -> Metrics:
-    """Mean and (via finalize) std of the centred covariance c over all counted tokens."""
+def covariance_metrics(stats: CovarianceStats) -> Metrics:
+    """Mean and (via finalize) std of the centred covariance c over all counted tokens, from
+    the local sums that the statistics pass already made (no extra pass over the tokens)."""
+    count, cov_sum, cov_sq_sum = stats.local_sums.unbind()
     return {
-        "cov_mean": mean_metric(stats.cov, mask),
-        "cov_sq_mean": mean_metric(stats.cov.square(), mask),
+        "cov_mean": Metric(cov_sum, count, "mean"),
+        "cov_sq_mean": Metric(cov_sq_sum, count, "mean"),
     }
 
 
 def weight_metrics(weights: Tensor, mask: Tensor) -> Metrics:
-    """Fraction of tokens with w~ < 0.5, min / max of w~, and (via finalize) ESS of w."""
+    """Fraction of tokens with w~ < 0.5, min / max of w~, and (via finalize) ESS of w.
+
+    `weights [b, s]` is zero outside the mask and positive inside, as `kernel_weights` returns,
+    which lets the count below 0.5, the max and the sum of squares skip the mask.
+    """
+    w = weights.detach().flatten()
+    count = mask.to(torch.float64).sum()
+    below = (w < 0.5).sum().to(torch.float64) - (w.numel() - count)
+    top = w.amax().to(torch.float64) if w.numel() else torch.zeros((), dtype=torch.float64)
     return {
-        "weight_frac_below_half": mean_metric((weights < 0.5).to(torch.float64), mask),
+        "weight_frac_below_half": Metric(below, count, "mean"),
         "weight_min": extreme_metric(weights, mask, "min"),
-        "weight_max": extreme_metric(weights, mask, "max"),
-        "weight_sq_mean": mean_metric(weights.to(torch.float64).square(), mask),
+        "weight_max": Metric(torch.where(count > 0, top, float("-inf")), count.new_ones(()), "max"),
+        "weight_sq_mean": Metric(torch.dot(w, w).to(torch.float64), count, "mean"),
     }

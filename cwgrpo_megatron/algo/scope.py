@@ -34,17 +34,17 @@ class Scope:
     reduce_sum: Callable[[Tensor], Tensor] = _local
     name: str = "local"
 
-    def sums(self, mask: Tensor, *columns: Tensor) -> Tensor:
-        """[K, j] float64: column j holds sum over the pool of mask * columns[j] (all [b, s]).
-
-        Row sums are taken first, then scattered into pools, so the cost is O(b s) reads and an
-        O(b) scatter; then one `reduce_sum` call (one all-reduce of K * j scalars at most).
-        """
-        m = mask.to(torch.float64)
-        per_row = torch.stack([(m * c.to(torch.float64)).sum(dim=-1) for c in columns], dim=-1)
+    def local_sums(self, *columns: Tensor) -> Tensor:
+        """[K, j] float64: column j holds this rank's sum over each pool of `columns[j] [b, s]`
+        (callers pass masked values). Rows are summed in float64, then scattered into pools:
+        O(b s) reads and an O(b) scatter."""
+        per_row = torch.stack([c.to(torch.float64).sum(dim=-1) for c in columns], dim=-1)
         pooled = per_row.new_zeros(self.num_segments, len(columns))
-        pooled.index_add_(0, self.segment, per_row)
-        return self.reduce_sum(pooled)
+        return pooled.index_add_(0, self.segment, per_row)
+
+    def sums(self, *columns: Tensor) -> Tensor:
+        """`local_sums` completed over every rank of the pool: one `reduce_sum` call."""
+        return self.reduce_sum(self.local_sums(*columns))
 
     def per_token(self, pool_values: Tensor) -> Tensor:
         """Broadcast `[K]` pool values to `[b, 1]`, ready to combine with `[b, s]` tensors."""

@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from cwgrpo_megatron.algo.scope import Scope, pools_from_index
+from cwgrpo_megatron.algo.scope import SCOPE_NAMES, Scope, pools_from_index
 from cwgrpo_megatron.dist.collectives import Group, sum_over
 
 
@@ -71,4 +71,4 @@ def make_scope(
         if micro_batch_index is None:
             raise ValueError("cov_scope=micro_batch needs micro_batch_index [b]")
         return micro_batch_scope(micro_batch_index)
-    raise ValueError(f"unknown cov_scope {name!r}; choose one of: global, group, micro_batch")
+    raise ValueError(f"unknown cov_scope {name!r}; choose one of: {', '.join(SCOPE_NAMES)}")

@@ -110,6 +110,8 @@ def _loss_worker(rank, world, scope_name, rank_rows, splits):
         warnings.simplefilter("always")
         if scope_name == "global":
             scope = global_scope(l_mask.shape[0], group=group)
+        elif scope_name == "global-unreduced":  # negative control: the DP reduction removed
+            scope = global_scope(l_mask.shape[0], group=None)
         else:
             mb_index = torch.zeros(l_mask.shape[0], dtype=torch.long)
             for i, start in enumerate(bounds[:-1]):
@@ -173,6 +175,9 @@ def test_global_scope_is_invariant_to_ranks_x_micro_batches():
         assert abs(loss - ref_loss) < 1e-10, f"{name}: loss {loss} vs {ref_loss}"
         torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12, msg=name)
         assert not any(r["warned"] for r in results)
+    # Negative control: the same 2-rank layout without the DP reduction of the statistics.
+    loss, grad = _assemble(_layout(*LAYOUTS["2ranks-x-uneven-mb"], "global-unreduced"))
+    assert (grad - ref_grad).abs().max() > 1e-6
 
 
 def test_micro_batch_scope_depends_on_layout_and_warns():

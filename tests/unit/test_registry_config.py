@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,10 @@ def test_config_is_keyword_only_and_frozen():
     cfg = Config()
     with pytest.raises(AttributeError):
         cfg.algo = AlgoConfig()  # type: ignore[misc]
+
+
+def test_every_shipped_config_loads():
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert configs, "configs/ holds no YAML files"
+    for path in configs:
+        load_config(path)
