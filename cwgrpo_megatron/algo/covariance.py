@@ -15,9 +15,13 @@ over the data-parallel group; sums are float64.
 
 Numerics: the kernel is evaluated as exp(-(c^2 - s)/(2 sigma^2)) with a per-pool shift
 s = max(0, |c_bar| - sigma*sqrt(N))^2. Every token has |c - c_bar| <= sigma*sqrt(N), so
-c^2 >= s: no term exceeds 1, and the shift cancels in w~. Only when c is so nearly constant that
-the kernel underflows on every token of a pool (|c| > ~38 sigma everywhere) is sum w zero; that
+c^2 >= s: no term exceeds 1, and the shift cancels in w~. It keeps the kernel representable
+when |c_bar| >> sigma, where the unshifted terms would all underflow. Only when c is so nearly
+constant that (c^2 - s) / (2 sigma^2) > ~745 on every token of a pool is sum w still zero; that
 pool then falls back to w~ = 1, the sigma == 0 rule, instead of 0/0.
+
+Precision: per-token values are computed in the inputs' precision (at least fp32); every sum
+is accumulated in float64.
 """
 
 from typing import NamedTuple

@@ -189,7 +189,9 @@ class ClipCovLoss(PolicyLoss):
         band_count = scope.sums(band.to(stats.cov.dtype))[:, 0]
         target = torch.floor(cfg.clip_cov_ratio * stats.count).clamp(min=1.0)
         prob = (target / band_count.clamp(min=1.0)).clamp(max=1.0)
-        uniform = torch.rand(mask.shape, generator=generator, dtype=torch.float64)
+        uniform = torch.rand(
+            mask.shape, generator=generator, dtype=torch.float64, device=generator.device
+        )
         detached = band & (uniform.to(mask.device) < scope.per_token(prob))
         keep = (~detached).to(torch.float32)
         metrics = covariance_metrics(stats)
@@ -236,7 +238,7 @@ _SEARCH_ROUNDS = 22  # 8**22 > 2**64: the bracket shrinks below float64 resoluti
 
 
 def kth_largest(stats: CovarianceStats, mask: Tensor, k: Tensor, scope: Scope) -> Tensor:
-    """Per pool `[K]`, the largest t with #{c >= t} >= k, to float64 resolution.
+    """Per pool `[K]`, the largest t with #{c >= t} >= k, to the resolution of c's dtype.
 
     Every counted c lies in [c_bar - sigma sqrt(N), c_bar + sigma sqrt(N)], which brackets the
     search without a min/max reduction. Each round counts the tokens at or above 7 probes with
@@ -244,14 +246,15 @@ def kth_largest(stats: CovarianceStats, mask: Tensor, k: Tensor, scope: Scope) -
     """
     cov = stats.cov
     radius = stats.cov_std * stats.count.sqrt()
-    margin = 1e-12 * (1.0 + stats.cov_mean.abs() + radius)
+    # c is rounded to its dtype, so a value may sit a few ulps outside the exact bracket
+    margin = 8 * torch.finfo(cov.dtype).eps * (1.0 + stats.cov_mean.abs() + radius)
     lo = stats.cov_mean - radius - margin
     hi = stats.cov_mean + radius + margin
     fractions = torch.arange(1, _SEARCH_PROBES + 1, dtype=torch.float64) / (_SEARCH_PROBES + 1)
+    in_pool = mask > 0
     for _ in range(_SEARCH_ROUNDS):
         probes = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * fractions  # [K, P]
         token_probes = probes[scope.segment]  # [b, P]
-        in_pool = mask > 0
         columns = [
             (in_pool & (cov >= token_probes[:, j : j + 1])).to(cov.dtype)
             for j in range(_SEARCH_PROBES)
