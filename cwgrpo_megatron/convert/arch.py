@@ -1,0 +1,139 @@
+"""The Qwen2 / Llama architecture read from a Hugging Face `config.json`, and layout checks.
+
+Pure Python: the tools, the mapping and the Megatron model builder all start from `ModelArch`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelArch:
+    """The fields of a decoder-only Qwen2 / Llama block that the Megatron model needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    tie_embeddings: bool
+    torch_dtype: str
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir: str | Path) -> ModelArch:
+        path = Path(hf_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{path} is missing: pass the folder of a Hugging Face checkpoint")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path} is not valid JSON ({err}); re-download or re-save it"
+            ) from err
+        return cls.from_hf_dict(data, source=str(path))
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], *, source: str = "config") -> ModelArch:
+        archs = data.get("architectures") or []
+        arch = archs[0] if archs else data.get("model_type", "?")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: architecture {arch!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in data:
+                raise ValueError(f"{source}: required field {key!r} is missing")
+            return data[key]
+
+        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only default)")
+        if data.get("use_sliding_window"):
+            raise ValueError(f"{source}: sliding-window attention is not supported")
+        if data.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported")
+        if data.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {data['hidden_act']!r} is not supported (silu)")
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        kv_heads = int(data.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"{source}: num_attention_heads={heads} is not a multiple of "
+                f"num_key_value_heads={kv_heads}"
+            )
+        rope_theta = data.get("rope_theta", rope.get("rope_theta", 10000.0))
+        qkv_bias = arch == "Qwen2ForCausalLM" or bool(data.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            ffn_hidden_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(data.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(data.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            qkv_bias=qkv_bias,
+            tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+            torch_dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def check_layout(self, *, tp: int, pp: int) -> None:
+        """Raise ValueError, naming the largest valid value, if tp / pp cannot split the model."""
+        if tp < 1 or pp < 1:
+            raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+        for what, count in (
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+        ):
+            if count % tp:
+                best = max(
+                    d
+                    for d in range(1, tp + 1)
+                    if self.num_heads % d == 0 and self.num_kv_heads % d == 0
+                )
+                raise ValueError(
+                    f"tp={tp} does not divide {what}={count}; the largest valid tp "
+                    f"at or below {tp} is {best}"
+                )
+        if self.ffn_hidden_size % tp:
+            raise ValueError(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
+        if self.num_layers % pp:
+            best = max(d for d in range(1, pp + 1) if self.num_layers % d == 0)
+            raise ValueError(
+                f"pp={pp} does not divide num_hidden_layers={self.num_layers}; the largest "
+                f"valid pp at or below {pp} is {best}"
+            )
+
+
+def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = 128) -> int:
+    """The vocabulary padded to a multiple of divisible_by x tp (Megatron's convention)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)

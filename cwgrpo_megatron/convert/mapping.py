@@ -1,0 +1,231 @@
+"""One declarative HF <-> Megatron mapping of names and shapes for Qwen2 / Llama.
+
+Used by the checkpoint tools and by weight sync. Each `Rule` ties one Megatron parameter to the
+Hugging Face tensor(s) it is made of and says how it is laid out over tensor parallelism:
+
+    kind     Megatron tensor (full, tp = 1)                      TP split (rank r of tp)
+    copy     the HF tensor as is                                  dim `tp_dim`, or replicated
+    qkv      per query group g: [q heads of g; k_g; v_g]          dim 0, whole query groups
+             -> [groups * (heads_per_group + 2) * head_dim, ...]
+    gate_up  [gate; up] -> [2 * ffn, hidden]                      [gate_r; up_r] on each rank
+    vocab    rows padded with zeros to the padded vocabulary      dim 0, then unpadded on export
+
+Layer indices: HF names use the global layer index; a Megatron pipeline stage names its layers
+from 0, offset by `layer_offset`. Norm names differ with the Transformer Engine layer spec,
+which fuses the norms into the following linear layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cwgrpo_megatron.convert.arch import ModelArch
+
+KINDS = ("copy", "qkv", "gate_up", "vocab")
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    """Megatron parameter name; `{layer}` is the stage-local layer index."""
+    hf: tuple[str, ...]
+    """HF tensor names; `{layer}` is the global layer index."""
+    kind: str
+    tp_dim: int | None
+    """Dimension split over tensor parallelism; None when replicated."""
+
+
+def layer_rules(arch: ModelArch, *, te_spec: bool = False) -> list[Rule]:
+    attn, mlp = "decoder.layers.{layer}.self_attention", "decoder.layers.{layer}.mlp"
+    hf_attn, hf_mlp = "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
+    qkv_names = tuple(f"{hf_attn}.{p}_proj.weight" for p in "qkv")
+    rules = [
+        Rule(f"{attn}.linear_qkv.weight", qkv_names, "qkv", 0),
+        Rule(f"{attn}.linear_proj.weight", (f"{hf_attn}.o_proj.weight",), "copy", 1),
+        Rule(
+            f"{mlp}.linear_fc1.weight",
+            (f"{hf_mlp}.gate_proj.weight", f"{hf_mlp}.up_proj.weight"),
+            "gate_up",
+            0,
+        ),
+        Rule(f"{mlp}.linear_fc2.weight", (f"{hf_mlp}.down_proj.weight",), "copy", 1),
+    ]
+    if arch.qkv_bias:
+        bias_names = tuple(f"{hf_attn}.{p}_proj.bias" for p in "qkv")
+        rules.append(Rule(f"{attn}.linear_qkv.bias", bias_names, "qkv", 0))
+    input_norm = (
+        f"{attn}.linear_qkv.layer_norm_weight"
+        if te_spec
+        else "decoder.layers.{layer}.input_layernorm.weight"
+    )
+    mlp_norm = (
+        f"{mlp}.linear_fc1.layer_norm_weight"
+        if te_spec
+        else "decoder.layers.{layer}.pre_mlp_layernorm.weight"
+    )
+    rules.append(Rule(input_norm, ("model.layers.{layer}.input_layernorm.weight",), "copy", None))
+    rules.append(
+        Rule(mlp_norm, ("model.layers.{layer}.post_attention_layernorm.weight",), "copy", None)
+    )
+    return rules
+
+
+def embedding_rule() -> Rule:
+    return Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)
+
+
+def output_rule(arch: ModelArch) -> Rule:
+    # A tied HF checkpoint has no lm_head: the last stage's output layer copies the embedding.
+    source = "model.embed_tokens.weight" if arch.tie_embeddings else "lm_head.weight"
+    return Rule("output_layer.weight", (source,), "vocab", 0)
+
+
+def final_norm_rule() -> Rule:
+    return Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None)
+
+
+def layer_offset(pp_rank: int, *, num_layers: int, pp: int) -> int:
+    return pp_rank * (num_layers // pp)
+
+
+@dataclass(frozen=True)
+class StageParam:
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    rule: Rule
+
+
+def stage_params(
+    arch: ModelArch, *, pp_rank: int = 0, pp: int = 1, te_spec: bool = False
+) -> Iterator[StageParam]:
+    """Every Megatron parameter of pipeline stage `pp_rank`, with the HF tensors it maps to.
+
+    The output layer appears on the last stage unless the embeddings are tied with pp == 1
+    (then Megatron shares the embedding weight and has no separate output parameter).
+    """
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        rule = embedding_rule()
+        yield StageParam(rule.megatron, rule.hf, rule)
+    per_stage = arch.num_layers // pp
+    offset = layer_offset(pp_rank, num_layers=arch.num_layers, pp=pp)
+    for local in range(per_stage):
+        for rule in layer_rules(arch, te_spec=te_spec):
+            yield StageParam(
+                rule.megatron.format(layer=local),
+                tuple(n.format(layer=local + offset) for n in rule.hf),
+                rule,
+            )
+    if last:
+        rule = final_norm_rule()
+        yield StageParam(rule.megatron, rule.hf, rule)
+        if not (arch.tie_embeddings and pp == 1):
+            rule = output_rule(arch)
+            yield StageParam(rule.megatron, rule.hf, rule)
+
+
+def hf_names(arch: ModelArch) -> list[str]:
+    """The HF tensor names of the whole model, in a stable order."""
+    names: list[str] = []
+    for param in stage_params(arch, pp=1):
+        names += [n for n in param.hf_names if n not in names]
+    if not arch.tie_embeddings and "lm_head.weight" not in names:
+        names.append("lm_head.weight")
+    return names
+
+
+# ---- shapes: HF tensors -> one Megatron shard, and all shards -> HF tensors ----------------
+
+
+def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, arch: ModelArch) -> Tensor:
+    groups, per_group, hd = arch.num_kv_heads, arch.heads_per_group, arch.head_dim
+    rest = q.shape[1:]
+    fused = torch.cat(
+        [
+            q.reshape(groups, per_group * hd, *rest),
+            k.reshape(groups, hd, *rest),
+            v.reshape(groups, hd, *rest),
+        ],
+        dim=1,
+    )
+    return fused.reshape(groups * (per_group + 2) * hd, *rest)
+
+
+def _split_qkv(fused: Tensor, arch: ModelArch) -> list[Tensor]:
+    groups, per_group, hd = arch.num_kv_heads, arch.heads_per_group, arch.head_dim
+    rest = fused.shape[1:]
+    grouped = fused.reshape(groups, (per_group + 2) * hd, *rest)
+    q, k, v = torch.split(grouped, [per_group * hd, hd, hd], dim=1)
+    return [
+        q.reshape(groups * per_group * hd, *rest).contiguous(),
+        k.reshape(groups * hd, *rest).contiguous(),
+        v.reshape(groups * hd, *rest).contiguous(),
+    ]
+
+
+def to_megatron(
+    rule: Rule,
+    hf: Sequence[Tensor],
+    arch: ModelArch,
+    *,
+    tp: int = 1,
+    tp_rank: int = 0,
+    padded_vocab: int | None = None,
+) -> Tensor:
+    """This TP rank's Megatron shard of `rule`'s parameter, from the full HF tensors."""
+    if rule.kind == "gate_up":
+        gate, up = (t.chunk(tp, dim=0)[tp_rank] for t in hf)
+        return torch.cat([gate, up], dim=0)
+    if rule.kind == "qkv":
+        full = _fuse_qkv(*hf, arch)
+    elif rule.kind == "vocab":
+        (full,) = hf
+        rows = padded_vocab or full.shape[0]
+        if rows < full.shape[0]:
+            raise ValueError(f"padded vocab {rows} is smaller than the vocab {full.shape[0]}")
+        if rows > full.shape[0]:
+            pad = full.new_zeros(rows - full.shape[0], *full.shape[1:])
+            full = torch.cat([full, pad], dim=0)
+    else:
+        (full,) = hf
+    if rule.tp_dim is None or tp == 1:
+        return full.contiguous()
+    return full.chunk(tp, dim=rule.tp_dim)[tp_rank].contiguous()
+
+
+def to_hf(rule: Rule, shards: Sequence[Tensor], arch: ModelArch) -> list[Tensor]:
+    """The full HF tensor(s) of `rule`, from every TP rank's shard in rank order."""
+    if rule.kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [
+            torch.cat([h[0] for h in halves], dim=0),
+            torch.cat([h[1] for h in halves], dim=0),
+        ]
+    full = shards[0] if rule.tp_dim is None else torch.cat(list(shards), dim=rule.tp_dim)
+    if rule.kind == "qkv":
+        return _split_qkv(full, arch)
+    if rule.kind == "vocab":
+        return [full[: arch.vocab_size].contiguous()]
+    return [full]
+
+
+def megatron_shape(rule: Rule, arch: ModelArch, *, tp: int, padded_vocab: int) -> tuple:
+    """The shape of one TP rank's shard, for checking a checkpoint against the config."""
+    h, hd = arch.hidden_size, arch.head_dim
+    qkv_rows = arch.num_kv_heads * (arch.heads_per_group + 2) * hd // tp
+    name = rule.megatron
+    if rule.kind == "vocab":
+        return (padded_vocab // tp, h)
+    if rule.kind == "qkv":
+        return (qkv_rows, h) if name.endswith("weight") else (qkv_rows,)
+    if rule.kind == "gate_up":
+        return (2 * arch.ffn_hidden_size // tp, h)
+    if "linear_proj" in name:
+        return (h, arch.num_heads * hd // tp)
+    if "linear_fc2" in name:
+        return (h, arch.ffn_hidden_size // tp)
+    return (h,)

@@ -1,0 +1,151 @@
+"""Run megatron-core on CPU with gloo: a scoped redirection of its CUDA-only calls.
+
+megatron-core 0.16-0.19 assumes CUDA in a handful of places. Inside `on_cpu()` (a no-op when
+CUDA is available) each is redirected, and nothing outside the context is touched, so code that
+shares the process (the vLLM engine, tests) keeps plain torch:
+
+| megatron-core call                                  | where                                  | redirected to                    |
+| --------------------------------------------------- | -------------------------------------- | -------------------------------- |
+| `torch.cuda.current_device()`                       | rotary embedding, p2p, param/grad      | 0, which the device rewrite below|
+|                                                     | buffer, checkpoint saver               | turns into "cpu"                 |
+| tensors made with `device="cuda"` / `.cuda()`       | schedules (`total_num_tokens`),        | the CPU (TorchFunctionMode that  |
+| / `.to("cuda")`                                     | optimizer, grad clipping               | rewrites device arguments)       |
+| `param.grad.type() == 'torch.cuda.FloatTensor'`     | grad clipping, distributed optimizer   | CPU tensors report the CUDA type |
+|                                                     |                                        | name of their dtype              |
+| CUDA RNG state (`_get/_set_cuda_rng_state`,         | `tensor_parallel/random.py`: the       | the CPU generator's state        |
+| `torch.cuda.get_rng_state/manual_seed`)             | model-parallel RNG tracker             |                                  |
+| `torch.cuda.synchronize()`                          | p2p communication, async ckpt writer   | no-op                            |
+| `torch.cuda.current_stream()` (0.19)                | schedules                              | a stream stub whose methods      |
+|                                                     |                                        | do nothing                       |
+
+Known limits (rejected by `check_cpu_config` with the fix in the message): sequence parallel
+needs fused norms that torch's CPU norms lack; `apply_rope_fusion` and
+`gradient_accumulation_fusion` need Transformer Engine or apex.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_state = threading.local()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # an ordinal from torch.cuda.current_device()
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_if_cuda(value: Any) -> Any:
+    return torch.device("cpu") if _is_cuda(value) else value
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+}
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU and makes `.cuda()` the identity."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        if func is torch.Tensor.to:
+            args = tuple(_cpu_if_cuda(a) if i > 0 else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class _StreamStub:
+    """Stands in for a CUDA stream: every method is a no-op."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+def _patches() -> list[tuple[Any, str, Any]]:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def set_state(state, *args, **kwargs):
+        torch.set_rng_state(state)
+
+    def get_state(*args, **kwargs):
+        return torch.get_rng_state()
+
+    return [
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.cuda, "current_stream", lambda *a, **k: _StreamStub()),
+        (torch.cuda, "get_rng_state", get_state),
+        (torch.cuda, "set_rng_state", set_state),
+        (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
+        (mp_random, "_get_cuda_rng_state", get_state),
+        (mp_random, "_set_cuda_rng_state", set_state),
+    ]
+
+
+@contextlib.contextmanager
+def on_cpu() -> Iterator[None]:
+    """Redirect megatron-core's CUDA-only calls to the CPU while the context is open.
+
+    A no-op when CUDA is available. Re-entrant; thread-local in its device rewriting (the
+    `torch.cuda` attribute patches are process-wide while any context is open, so only enter it
+    around Megatron calls).
+    """
+    if cuda_available() or getattr(_state, "depth", 0) > 0:
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
+        return
+    patches = _patches()
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    _state.depth = 1
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        _state.depth = 0
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def check_cpu_config(config: Any) -> None:
+    """Reject TransformerConfig settings that cannot run on CPU, saying what to change."""
+    if cuda_available():
+        return
+    if getattr(config, "sequence_parallel", False):
+        raise ValueError(
+            "sequence_parallel is not supported on CPU (torch norms lack the fused "
+            "sequence-parallel path); set sequence_parallel=False"
+        )
+    for flag in ("apply_rope_fusion", "gradient_accumulation_fusion"):
+        if getattr(config, flag, False):
+            raise ValueError(f"{flag} needs Transformer Engine or apex on a GPU; set {flag}=False")

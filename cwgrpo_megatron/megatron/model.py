@@ -1,0 +1,145 @@
+"""A Megatron-Core GPTModel for a Qwen2 / Llama architecture, and HF weights loaded into it.
+
+Settings mapped from the HF config (`ModelArch`): RMSNorm and its eps, SwiGLU, QKV bias,
+grouped-query attention (`num_key_value_heads` -> `num_query_groups`), head dim, RoPE theta,
+max positions, tied or untied embeddings, fp32 / bf16 parameters. The vocabulary is padded to a
+multiple of `make_vocab_size_divisible_by x tp`; padded logits are masked out downstream by
+`vocab_parallel_logprob_entropy(..., vocab_size=arch.vocab_size)`.
+
+Layer spec: Transformer Engine's when TE and a GPU are present, Megatron's local one otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
+from cwgrpo_megatron.convert.mapping import megatron_shape, stage_params, to_megatron
+from cwgrpo_megatron.megatron.cpu import check_cpu_config, on_cpu
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def use_transformer_engine() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(
+    arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32, **overrides
+) -> TransformerConfig:
+    """The TransformerConfig of `arch` at tp x pp; `overrides` set further fields."""
+    arch.check_layout(tp=tp, pp=pp)
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    kwargs.update(overrides)
+    config = TransformerConfig(**kwargs)
+    check_cpu_config(config)
+    return config
+
+
+def layer_spec():
+    if use_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(
+    arch: ModelArch,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    make_vocab_size_divisible_by: int = 128,
+    **config_overrides,
+) -> GPTModel:
+    """This rank's pipeline stage of the model, at the parallel layout of `parallel_state`."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
+    with on_cpu():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(),
+            vocab_size=padded_vocab_size(
+                arch.vocab_size, tp=tp, divisible_by=make_vocab_size_divisible_by
+            ),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=arch.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta),
+            rotary_percent=1.0,
+            parallel_output=True,
+        )
+    model.vocab_size_unpadded = arch.vocab_size
+    return model
+
+
+def load_hf_weights(
+    model: GPTModel, arch: ModelArch, get_tensor: Callable[[str], torch.Tensor]
+) -> None:
+    """Copy HF tensors (fetched one at a time by `get_tensor(name)`) into this rank's stage.
+
+    Raises ValueError naming the tensor when a shape does not match `arch`.
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    params = dict(model.named_parameters())
+    padded = model.vocab_size
+    for item in stage_params(
+        arch,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        te_spec=use_transformer_engine(),
+    ):
+        if item.megatron_name not in params:
+            raise RuntimeError(f"the Megatron model has no parameter {item.megatron_name}")
+        hf = [get_tensor(n) for n in item.hf_names]
+        shard = to_megatron(item.rule, hf, arch, tp=tp, tp_rank=tp_rank, padded_vocab=padded)
+        expected = megatron_shape(item.rule, arch, tp=tp, padded_vocab=padded)
+        target = params[item.megatron_name]
+        if tuple(shard.shape) != expected or tuple(target.shape) != expected:
+            shapes = ", ".join(f"{n}: {tuple(t.shape)}" for n, t in zip(item.hf_names, hf))
+            raise ValueError(
+                f"checkpoint shapes do not match the config for {item.megatron_name} "
+                f"({shapes}); expected a shard of {expected} at tp={tp}"
+            )
+        with torch.no_grad():
+            target.copy_(shard)

@@ -1,0 +1,41 @@
+"""Set up Megatron's tensor / pipeline / data parallel groups on an initialised process group."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from cwgrpo_megatron.megatron.cpu import on_cpu
+
+
+def initialize(*, tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    """Create Megatron's groups for tp x pp (dp = world / (tp pp)) and seed its RNG tracker.
+
+    torch.distributed must already be initialised (torchrun, or `init_process_group`).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: launch with torchrun or call "
+            "torch.distributed.init_process_group first"
+        )
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of tp x pp = {tp} x {pp}")
+    with on_cpu():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+        model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    parallel_state.destroy_model_parallel()
+
+
+def layout() -> dict[str, int]:
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+    }
