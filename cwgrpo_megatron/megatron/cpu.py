@@ -4,19 +4,18 @@ megatron-core 0.16-0.19 assumes CUDA in a handful of places. Inside `on_cpu()` (
 CUDA is available) each is redirected, and nothing outside the context is touched, so code that
 shares the process (the vLLM engine, tests) keeps plain torch:
 
-| megatron-core call                                  | where                                  | redirected to                    |
-| --------------------------------------------------- | -------------------------------------- | -------------------------------- |
-| `torch.cuda.current_device()`                       | rotary embedding, p2p, param/grad      | 0, which the device rewrite below|
-|                                                     | buffer, checkpoint saver               | turns into "cpu"                 |
-| tensors made with `device="cuda"` / `.cuda()`       | schedules (`total_num_tokens`),        | the CPU (TorchFunctionMode that  |
-| / `.to("cuda")`                                     | optimizer, grad clipping               | rewrites device arguments)       |
-| `param.grad.type() == 'torch.cuda.FloatTensor'`     | grad clipping, distributed optimizer   | CPU tensors report the CUDA type |
-|                                                     |                                        | name of their dtype              |
-| CUDA RNG state (`_get/_set_cuda_rng_state`,         | `tensor_parallel/random.py`: the       | the CPU generator's state        |
-| `torch.cuda.get_rng_state/manual_seed`)             | model-parallel RNG tracker             |                                  |
-| `torch.cuda.synchronize()`                          | p2p communication, async ckpt writer   | no-op                            |
-| `torch.cuda.current_stream()` (0.19)                | schedules                              | a stream stub whose methods      |
-|                                                     |                                        | do nothing                       |
+- `torch.cuda.current_device()` (rotary embedding, p2p communication, param/grad buffers,
+  checkpoint saver) returns 0, an ordinal that the device rewrite below turns into the CPU.
+- Tensors made with `device="cuda"`, `.cuda()` or `.to("cuda")` (the schedules'
+  `total_num_tokens`, the optimizer, grad clipping) land on the CPU: a TorchFunctionMode
+  rewrites CUDA device arguments.
+- `param.grad.type() == 'torch.cuda.FloatTensor'` checks (grad clipping, distributed
+  optimizer): CPU tensors report the CUDA type name of their dtype.
+- The CUDA RNG state of the model-parallel RNG tracker (`tensor_parallel/random.py`:
+  `_get/_set_cuda_rng_state`, `torch.cuda.get_rng_state/set_rng_state/manual_seed`) is the CPU
+  generator's state.
+- `torch.cuda.synchronize()` (p2p communication, async checkpoint writer) does nothing.
+- `torch.cuda.current_stream()` (0.19) returns a stub whose methods do nothing.
 
 Known limits (rejected by `check_cpu_config` with the fix in the message): sequence parallel
 needs fused norms that torch's CPU norms lack; `apply_rope_fusion` and

@@ -136,7 +136,9 @@ def load_hf_weights(
         expected = megatron_shape(item.rule, arch, tp=tp, padded_vocab=padded)
         target = params[item.megatron_name]
         if tuple(shard.shape) != expected or tuple(target.shape) != expected:
-            shapes = ", ".join(f"{n}: {tuple(t.shape)}" for n, t in zip(item.hf_names, hf))
+            shapes = ", ".join(
+                f"{n}: {tuple(t.shape)}" for n, t in zip(item.hf_names, hf, strict=True)
+            )
             raise ValueError(
                 f"checkpoint shapes do not match the config for {item.megatron_name} "
                 f"({shapes}); expected a shard of {expected} at tp={tp}"
