@@ -7,7 +7,7 @@
 
 Shapes: 4096 tokens x 32k vocab (fp32), and 8192 tokens x 152k vocab split as tp = 8, i.e. one
 19k-column shard (bf16, as Megatron emits it). Each (shape, method, mode) runs in a fresh
-process so that peak RSS (getrusage ru_maxrss) above the inputs is that method's alone. Memory
+process so that peak RSS (VmHWM, see memory.py) above the inputs is that method's alone. Memory
 runs pin glibc's mmap threshold so that freed temporaries go back to the OS (exact peaks);
 timing runs use the default allocator, which lets every method reuse freed memory.
 
@@ -20,7 +20,6 @@ Usage: python benchmarks/bench_logprob.py [--quick] [--repeats N]
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -69,10 +68,6 @@ def _ours(logits, target):
     return vocab_parallel_logprob_entropy(logits, target)
 
 
-def _max_rss_bytes():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def measure(shape_name, method, mode, repeats, quick):
     """Child process: one method on one shape; prints a JSON line (time or peak)."""
     b, s, v, dtype_name = (QUICK_SHAPES if quick else SHAPES)[shape_name]
@@ -98,9 +93,9 @@ def measure(shape_name, method, mode, repeats, quick):
             (logp * g_logp + entropy * g_ent).sum().backward()
             logits.grad = None
 
-    base = _max_rss_bytes()
+    base = reset_peak()
     run()
-    peak = _max_rss_bytes() - base
+    peak = peak_since_reset() - base
     times = []
     for _ in range(repeats if repeats > 0 else 0):
         start = time.perf_counter()
@@ -161,6 +156,7 @@ def main():
 
 if __name__ == "__main__":
     import torch
+    from memory import peak_since_reset, reset_peak
 
     from cwgrpo_megatron.dist import vocab_parallel_logprob_entropy
 

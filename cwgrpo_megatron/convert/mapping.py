@@ -197,15 +197,20 @@ def to_megatron(
     return full.chunk(tp, dim=rule.tp_dim)[tp_rank].contiguous()
 
 
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    """torch.cat, but one part is returned as is (a view, not a copy: export streams views)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def to_hf(rule: Rule, shards: Sequence[Tensor], arch: ModelArch) -> list[Tensor]:
-    """The full HF tensor(s) of `rule`, from every TP rank's shard in rank order."""
+    """The full HF tensor(s) of `rule`, from every TP rank's shard in rank order.
+
+    With one shard the results are views of it where the layout allows (copy, gate_up, vocab).
+    """
     if rule.kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [
-            torch.cat([h[0] for h in halves], dim=0),
-            torch.cat([h[1] for h in halves], dim=0),
-        ]
-    full = shards[0] if rule.tp_dim is None else torch.cat(list(shards), dim=rule.tp_dim)
+        return [_cat([h[0] for h in halves], 0), _cat([h[1] for h in halves], 0)]
+    full = shards[0] if rule.tp_dim is None else _cat(list(shards), rule.tp_dim)
     if rule.kind == "qkv":
         return _split_qkv(full, arch)
     if rule.kind == "vocab":

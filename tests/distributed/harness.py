@@ -48,7 +48,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: flo
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue))
         for r in range(world_size)
     ]
     for p in procs:

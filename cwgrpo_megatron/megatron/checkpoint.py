@@ -1,0 +1,168 @@
+"""Megatron dist checkpoints (torch_dist) of the policy model, written atomically.
+
+Layout of a checkpoint folder C:
+
+    C/model/                   the dist checkpoint: loads at any TP x PP (Megatron reshards)
+    C/cwgrpo_checkpoint.json   format version, the architecture, the layout it was saved at
+    C/config.json, C/generation_config.json, tokenizer files   copied from the HF folder
+
+A checkpoint is written into a hidden temporary sibling and renamed into place only when
+complete, so an interrupted save leaves no partial C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.models.gpt import GPTModel
+
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.megatron.cpu import on_cpu
+from cwgrpo_megatron.megatron.parallel import layout
+
+META_NAME = "cwgrpo_checkpoint.json"
+MODEL_DIR = "model"
+FORMAT_VERSION = 1
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+def copy_hf_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the config, generation config and tokenizer files that exist in `src`."""
+    copied = []
+    for name in HF_SIDE_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+class AtomicDir:
+    """A temporary sibling folder that becomes `final` on `commit()` and vanishes otherwise.
+
+    Collective: rank 0 creates, renames and cleans up; every rank waits at the barriers.
+    """
+
+    def __init__(self, final: str | os.PathLike, *, overwrite: bool = False) -> None:
+        self.final = Path(final).resolve()
+        self.tmp = self.final.parent / f".{self.final.name}.partial"
+        self.overwrite = overwrite
+
+    def __enter__(self) -> Path:
+        if self.final.exists() and any(self.final.iterdir()) and not self.overwrite:
+            raise ValueError(f"{self.final} already exists and is not empty; choose a new path")
+        if _rank() == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir(parents=True)
+        _barrier()
+        return self.tmp
+
+    def commit(self) -> None:
+        _barrier()
+        if _rank() == 0:
+            if self.final.exists():
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+        _barrier()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and _rank() == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_model(
+    model: GPTModel,
+    arch: ModelArch,
+    ckpt_dir: str | os.PathLike,
+    *,
+    hf_dir: str | os.PathLike | None = None,
+    params_dtype: str = "float32",
+    overwrite: bool = False,
+) -> Path:
+    """Save this rank's stage into the dist checkpoint `ckpt_dir` (collective over all ranks)."""
+    atomic = AtomicDir(ckpt_dir, overwrite=overwrite)
+    with atomic as tmp:
+        model_dir = tmp / MODEL_DIR
+        if _rank() == 0:
+            model_dir.mkdir()
+        _barrier()
+        with on_cpu():
+            dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
+        if _rank() == 0:
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "arch": arch.to_dict(),
+                "saved_layout": layout(),
+                "padded_vocab_size": model.vocab_size,
+                "params_dtype": params_dtype,
+            }
+            (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+            if hf_dir is not None:
+                copy_hf_side_files(hf_dir, tmp)
+        atomic.commit()
+    return atomic.final
+
+
+def read_meta(ckpt_dir: str | os.PathLike) -> dict:
+    path = Path(ckpt_dir) / META_NAME
+    if not Path(ckpt_dir).is_dir():
+        raise ValueError(f"checkpoint folder {ckpt_dir} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: {ckpt_dir} is not a cwgrpo_megatron checkpoint")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is corrupt ({err})") from err
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format_version {meta.get('format_version')!r} is not {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def checkpoint_arch(ckpt_dir: str | os.PathLike) -> ModelArch:
+    return ModelArch(**read_meta(ckpt_dir)["arch"])
+
+
+def load_model(model: GPTModel, arch: ModelArch, ckpt_dir: str | os.PathLike) -> None:
+    """Load the dist checkpoint into this rank's stage, resharding from the saved layout."""
+    saved = checkpoint_arch(ckpt_dir)
+    if saved != arch:
+        diff = {
+            k: (v, getattr(arch, k)) for k, v in saved.to_dict().items() if getattr(arch, k) != v
+        }
+        raise ValueError(
+            f"checkpoint {ckpt_dir} was saved for another architecture; (saved, requested): {diff}"
+        )
+    model_dir = Path(ckpt_dir) / MODEL_DIR
+    try:
+        with on_cpu():
+            state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir))
+    except Exception as err:  # megatron raises several types for unreadable or mismatched files
+        raise ValueError(
+            f"cannot load the dist checkpoint in {model_dir}: {type(err).__name__}: {err}"
+        ) from err
+    model.load_state_dict(state, strict=True)

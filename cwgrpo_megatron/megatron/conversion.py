@@ -1,0 +1,168 @@
+"""HF safetensors <-> Megatron dist checkpoints, and a numerical check between the two.
+
+Both directions stream: HF tensors are read one at a time into the Megatron model, and HF
+shards are flushed as they fill, so peak memory stays near one copy of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.convert.mapping import hf_names, stage_params, to_hf
+from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint, write_sharded
+from cwgrpo_megatron.dist import vocab_parallel_logprob_entropy
+from cwgrpo_megatron.megatron import parallel
+from cwgrpo_megatron.megatron.checkpoint import (
+    AtomicDir,
+    copy_hf_side_files,
+    load_model,
+    read_meta,
+    save_model,
+)
+from cwgrpo_megatron.megatron.forward import forward_logits
+from cwgrpo_megatron.megatron.launch import init_distributed
+from cwgrpo_megatron.megatron.model import DTYPES, build_model, load_hf_weights
+
+log = logging.getLogger(__name__)
+VOCAB_DIVISIBLE_BY = 128
+
+
+def _dtype_name(requested: str | None, arch: ModelArch) -> str:
+    name = requested or (arch.torch_dtype if arch.torch_dtype in DTYPES else "float32")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of: {', '.join(DTYPES)}")
+    return name
+
+
+def _start(tp: int, pp: int) -> None:
+    """One process builds the whole model; under torchrun the world must be exactly tp x pp."""
+    init_distributed()
+    world = dist.get_world_size()
+    if world == 1:
+        parallel.initialize(tp=1, pp=1)
+    elif world == tp * pp:
+        parallel.initialize(tp=tp, pp=pp)
+    else:
+        raise ValueError(f"run in one process, or under torchrun with tp x pp = {tp * pp} ranks")
+
+
+def hf_to_megatron(
+    hf_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert an HF Qwen2 / Llama folder into a Megatron dist checkpoint at `out`.
+
+    The checkpoint loads at any layout (Megatron reshards on load). `tp` and `pp` are checked
+    against the model and set the vocabulary padding (a multiple of 128 x tp); under torchrun
+    with tp x pp ranks each rank builds and writes its own shard.
+    """
+    arch = ModelArch.from_hf_dir(hf_dir)
+    arch.check_layout(tp=tp, pp=pp)
+    ckpt = HFCheckpoint(hf_dir)
+    missing = [n for n in hf_names(arch) if n not in ckpt]
+    if missing:
+        raise ValueError(f"{hf_dir}: tensors missing for {arch.architecture}: {missing[:5]}")
+    dtype_name = _dtype_name(dtype, arch)
+    _start(tp, pp)
+    try:
+        single = dist.get_world_size() == 1
+        model = build_model(
+            arch,
+            params_dtype=DTYPES[dtype_name],
+            make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY * (tp if single else 1),
+            perform_initialization=False,
+        )
+        load_hf_weights(model, arch, ckpt.get)
+        return save_model(
+            model, arch, out, hf_dir=hf_dir, params_dtype=dtype_name, overwrite=overwrite
+        )
+    finally:
+        parallel.destroy()
+
+
+def load_checkpoint_model(ckpt_dir: str | os.PathLike):
+    """(model, arch, meta) of a checkpoint, at the current parallel layout."""
+    meta = read_meta(ckpt_dir)
+    arch = ModelArch(**meta["arch"])
+    model = build_model(
+        arch, params_dtype=DTYPES[meta["params_dtype"]], perform_initialization=False
+    )
+    load_model(model, arch, ckpt_dir)
+    return model.eval(), arch, meta
+
+
+def _hf_tensors(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    params = dict(model.named_parameters())
+    for item in stage_params(arch, pp=1):
+        tensors = to_hf(item.rule, [params[item.megatron_name].detach()], arch)
+        yield from zip(item.hf_names, tensors, strict=True)
+
+
+def megatron_to_hf(
+    ckpt_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a checkpoint saved at any TP x PP as sharded HF safetensors (one process).
+
+    Shards hold at most `max_shard_bytes` (default: 2 GiB, or an eighth of the model if that is
+    less): serialising a shard copies it, so the shard size bounds the memory above the model.
+    """
+    read_meta(ckpt_dir)  # fail on a bad folder before starting anything
+    _start(1, 1)
+    try:
+        model, arch, _ = load_checkpoint_model(ckpt_dir)
+        atomic = AtomicDir(out, overwrite=overwrite)
+        with atomic as tmp:
+            if max_shard_bytes is None:
+                model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+                max_shard_bytes = max(1 << 20, min(2 << 30, model_bytes // 8))
+            write_sharded(_hf_tensors(model, arch), tmp, max_shard_bytes=max_shard_bytes)
+            copy_hf_side_files(ckpt_dir, tmp)
+            atomic.commit()
+        return atomic.final
+    finally:
+        parallel.destroy()
+
+
+def compare_with_hf(
+    hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, batch: int = 4, seq: int = 32
+) -> dict[str, float]:
+    """Max |delta logits| and max |delta log-prob| of the two models on fixed token sequences."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    _start(1, 1)
+    try:
+        model, arch, _ = load_checkpoint_model(ckpt_dir)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, arch.vocab_size, (batch, seq), generator=gen)
+        logits = forward_logits(model, tokens).float()[..., : arch.vocab_size]
+        with torch.no_grad():
+            ref = hf(tokens).logits.float()
+        target = torch.roll(tokens, -1, dims=1)
+        logp, _ = vocab_parallel_logprob_entropy(
+            logits, target, group=parallel_state.get_tensor_model_parallel_group()
+        )
+        ref_logp = torch.log_softmax(ref, -1).gather(-1, target[..., None]).squeeze(-1)
+        return {
+            "max_abs_logits": (logits - ref).abs().max().item(),
+            "max_abs_logprob": (logp - ref_logp).abs().max().item(),
+        }
+    finally:
+        parallel.destroy()

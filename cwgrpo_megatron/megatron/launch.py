@@ -1,0 +1,44 @@
+"""Process-group start-up for tools and entry points: torchrun, or one local process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(*, timeout_s: int = 1800) -> None:
+    """Initialise torch.distributed from torchrun's environment, or as a world of one.
+
+    Backend: nccl with CUDA, gloo otherwise.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timeout,
+    )
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,160 @@
+import pytest
+import torch
+
+from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
+from cwgrpo_megatron.convert.mapping import (
+    Rule,
+    hf_names,
+    layer_offset,
+    megatron_shape,
+    stage_params,
+    to_hf,
+    to_megatron,
+)
+
+HF = dict(
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+ARCH = ModelArch.from_hf_dict(HF)
+
+
+def test_arch_fields():
+    assert ARCH.head_dim == 8 and ARCH.heads_per_group == 4 and ARCH.qkv_bias
+    llama = ModelArch.from_hf_dict({**HF, "architectures": ["LlamaForCausalLM"]})
+    assert not llama.qkv_bias
+    v5 = {k: v for k, v in HF.items() if k != "rope_theta"}
+    v5["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "default"}
+    assert ModelArch.from_hf_dict(v5).rope_theta == 5e5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["MistralForCausalLM"]}, "'MistralForCausalLM' is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "rope type 'yarn' is not supported"),
+        ({"use_sliding_window": True}, "sliding-window"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+        ({"hidden_size": None}, "hidden_size"),
+    ],
+)
+def test_arch_rejects_unsupported(change, message):
+    data = {**HF, **change}
+    if change.get("hidden_size", 0) is None:
+        del data["hidden_size"]
+    with pytest.raises(ValueError, match=message):
+        ModelArch.from_hf_dict(data)
+
+
+def test_layout_errors_name_the_largest_valid_value():
+    ARCH.check_layout(tp=2, pp=4)
+    with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2; the largest"):
+        ARCH.check_layout(tp=4, pp=1)
+    with pytest.raises(ValueError, match="pp=3 does not divide num_hidden_layers=4.* is 2"):
+        ARCH.check_layout(tp=1, pp=3)
+
+
+def test_padded_vocab():
+    assert padded_vocab_size(1000, tp=1) == 1024
+    assert padded_vocab_size(151936, tp=1) == 151936
+    assert padded_vocab_size(151936, tp=2) == 152064
+    assert padded_vocab_size(1000, tp=8) == 1024
+
+
+def _hf_tensors(gen):
+    h, hd = ARCH.hidden_size, ARCH.head_dim
+    q = torch.randn(ARCH.num_heads * hd, h, generator=gen)
+    k = torch.randn(ARCH.num_kv_heads * hd, h, generator=gen)
+    v = torch.randn(ARCH.num_kv_heads * hd, h, generator=gen)
+    return q, k, v
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "vocab", "row", "col", "replicated"])
+def test_split_and_merge_round_trip(kind, tp):
+    gen = torch.Generator().manual_seed(0)
+    h = ARCH.hidden_size
+    if kind == "qkv":
+        rule, hf = Rule("x.linear_qkv.weight", ("q", "k", "v"), "qkv", 0), _hf_tensors(gen)
+    elif kind == "gate_up":
+        hf = (torch.randn(96, h, generator=gen), torch.randn(96, h, generator=gen))
+        rule = Rule("x.linear_fc1.weight", ("g", "u"), "gate_up", 0)
+    elif kind == "vocab":
+        rule, hf = Rule("embedding", ("e",), "vocab", 0), (torch.randn(1000, h, generator=gen),)
+    elif kind == "row":
+        rule, hf = Rule("x.linear_fc2.weight", ("d",), "copy", 1), (torch.randn(h, 96),)
+    elif kind == "col":
+        rule, hf = Rule("y", ("d",), "copy", 0), (torch.randn(96, h),)
+    else:
+        rule, hf = Rule("norm", ("n",), "copy", None), (torch.randn(h),)
+    padded = padded_vocab_size(1000, tp=tp)
+    shards = [to_megatron(rule, hf, ARCH, tp=tp, tp_rank=r, padded_vocab=padded) for r in range(tp)]
+    back = to_hf(rule, shards, ARCH)
+    assert len(back) == len(hf)
+    for a, b in zip(hf, back, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_qkv_fusion_layout_is_per_query_group():
+    hd, per_group = ARCH.head_dim, ARCH.heads_per_group
+    q = torch.arange(ARCH.num_heads).repeat_interleave(hd)[:, None].float()  # head index
+    k = 100 + torch.arange(ARCH.num_kv_heads).repeat_interleave(hd)[:, None].float()
+    v = 200 + torch.arange(ARCH.num_kv_heads).repeat_interleave(hd)[:, None].float()
+    rule = Rule("qkv.bias", ("q", "k", "v"), "qkv", 0)
+    fused = to_megatron(rule, (q, k, v), ARCH)[:, 0]
+    rows = fused.reshape(ARCH.num_kv_heads, (per_group + 2), hd)[:, :, 0]
+    assert rows.tolist() == [[0, 1, 2, 3, 100, 200], [4, 5, 6, 7, 101, 201]]
+    # TP rank 1 of 2 holds the second query group whole
+    second = to_megatron(rule, (q, k, v), ARCH, tp=2, tp_rank=1)[:, 0]
+    assert second.reshape(per_group + 2, hd)[:, 0].tolist() == [4, 5, 6, 7, 101, 201]
+
+
+def test_gate_up_shards_hold_matching_halves():
+    gate = torch.zeros(96, 4)
+    up = torch.ones(96, 4)
+    rule = Rule("fc1", ("g", "u"), "gate_up", 0)
+    shard = to_megatron(rule, (gate, up), ARCH, tp=2, tp_rank=0)
+    assert shard.shape == (96, 4)
+    assert torch.equal(shard[:48], gate[:48]) and torch.equal(shard[48:], up[:48])
+
+
+def test_stage_params_cover_the_model_once():
+    tied = ModelArch.from_hf_dict({**HF, "tie_word_embeddings": True})
+    for arch in (ARCH, tied):
+        for pp in (1, 2, 4):
+            seen = []
+            for rank in range(pp):
+                seen += [n for p in stage_params(arch, pp_rank=rank, pp=pp) for n in p.hf_names]
+            expected = set(hf_names(arch))
+            assert set(seen) == expected
+            if not (arch.tie_embeddings and pp > 1):
+                assert len(seen) == len(expected), "an HF tensor was used twice"
+    assert layer_offset(1, num_layers=4, pp=2) == 2
+    last = list(stage_params(ARCH, pp_rank=1, pp=2))
+    assert last[0].megatron_name.startswith("decoder.layers.0.")
+    assert last[0].hf_names[0].startswith("model.layers.2.")
+
+
+def test_megatron_shapes():
+    padded = padded_vocab_size(1000, tp=2)
+    shapes = {
+        p.megatron_name: megatron_shape(p.rule, ARCH, tp=2, padded_vocab=padded)
+        for p in stage_params(ARCH)
+    }
+    assert shapes["embedding.word_embeddings.weight"] == (512, 64)
+    assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == (48, 64)
+    assert shapes["decoder.layers.0.self_attention.linear_qkv.bias"] == (48,)
+    assert shapes["decoder.layers.0.self_attention.linear_proj.weight"] == (64, 32)
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (96, 64)
+    assert shapes["decoder.layers.0.mlp.linear_fc2.weight"] == (64, 48)
+    assert shapes["decoder.final_layernorm.weight"] == (64,)
