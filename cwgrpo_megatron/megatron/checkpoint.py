@@ -20,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
+from torch.distributed.checkpoint.api import CheckpointException
 
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron.cpu import on_cpu
@@ -161,7 +162,9 @@ def load_model(model: GPTModel, arch: ModelArch, ckpt_dir: str | os.PathLike) ->
     try:
         with on_cpu():
             state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir))
-    except Exception as err:  # megatron raises several types for unreadable or mismatched files
+    # megatron raises several types for unreadable or mismatched files; torch's
+    # CheckpointException derives from BaseException, not Exception
+    except (Exception, CheckpointException) as err:
         raise ValueError(
             f"cannot load the dist checkpoint in {model_dir}: {type(err).__name__}: {err}"
         ) from err

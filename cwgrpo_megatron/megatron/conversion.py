@@ -104,11 +104,14 @@ def load_checkpoint_model(ckpt_dir: str | os.PathLike):
     return model.eval(), arch, meta
 
 
-def _hf_tensors(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_tensors(model, arch: ModelArch, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors in `dtype`. Megatron's torch norms keep fp32 weights under bf16
+    parameters; HF checkpoints hold one dtype, so those are cast (a no-op for the rest)."""
     params = dict(model.named_parameters())
     for item in stage_params(arch, pp=1):
         tensors = to_hf(item.rule, [params[item.megatron_name].detach()], arch)
-        yield from zip(item.hf_names, tensors, strict=True)
+        for name, tensor in zip(item.hf_names, tensors, strict=True):
+            yield name, tensor.to(dtype)
 
 
 def megatron_to_hf(
@@ -126,13 +129,14 @@ def megatron_to_hf(
     read_meta(ckpt_dir)  # fail on a bad folder before starting anything
     _start(1, 1)
     try:
-        model, arch, _ = load_checkpoint_model(ckpt_dir)
+        model, arch, meta = load_checkpoint_model(ckpt_dir)
+        dtype = DTYPES[meta["params_dtype"]]
         atomic = AtomicDir(out, overwrite=overwrite)
         with atomic as tmp:
             if max_shard_bytes is None:
                 model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
                 max_shard_bytes = max(1 << 20, min(2 << 30, model_bytes // 8))
-            write_sharded(_hf_tensors(model, arch), tmp, max_shard_bytes=max_shard_bytes)
+            write_sharded(_hf_tensors(model, arch, dtype), tmp, max_shard_bytes=max_shard_bytes)
             copy_hf_side_files(ckpt_dir, tmp)
             atomic.commit()
         return atomic.final

@@ -16,8 +16,13 @@ from tests.distributed.qwen_fixtures import make_hf_model
 REPO = Path(__file__).resolve().parents[2]
 
 
-def save_hf(name: str, path: Path, seed: int = 0) -> Path:
-    make_hf_model(name, seed=seed).save_pretrained(path)
+TOKENIZER_FILES = {"tokenizer_config.json": '{"model_max_length": 64}', "merges.txt": "#v\n"}
+
+
+def save_hf(name: str, path: Path, seed: int = 0, dtype=torch.float32) -> Path:
+    make_hf_model(name, seed=seed).to(dtype).save_pretrained(path)
+    for file, text in TOKENIZER_FILES.items():  # stand-ins: the tools copy them verbatim
+        (path / file).write_text(text)
     return path
 
 
@@ -28,8 +33,8 @@ def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _convert(rank, world, hf_dir, out, tp, pp):
-    hf_to_megatron(hf_dir, out, tp=tp, pp=pp)
+def _convert(rank, world, hf_dir, out, tp, pp, dtype=None):
+    hf_to_megatron(hf_dir, out, tp=tp, pp=pp, dtype=dtype)
 
 
 def _export(rank, world, ckpt, out):
@@ -62,23 +67,31 @@ def _compare_params(rank, world, hf_dir, ckpt, tp, pp):
 
 
 @pytest.mark.parametrize(
-    ("name", "tp", "pp"),
+    ("name", "tp", "pp", "dtype"),
     [
-        pytest.param("qwen-untied", 2, 2, id="qwen-untied-tp2xpp2"),
-        pytest.param("qwen-tied", 2, 2, id="qwen-tied-tp2xpp2"),
-        pytest.param("llama", 2, 1, id="llama-tp2"),
+        pytest.param("qwen-untied", 2, 2, torch.float32, id="qwen-untied-tp2xpp2"),
+        pytest.param("qwen-tied", 2, 2, torch.float32, id="qwen-tied-tp2xpp2"),
+        pytest.param("llama", 2, 1, torch.float32, id="llama-tp2"),
+        pytest.param("qwen-untied", 1, 2, torch.bfloat16, id="qwen-untied-bf16-pp2"),
     ],
 )
-def test_round_trip_is_bit_identical(tmp_path, name, tp, pp):
-    hf_dir = save_hf(name, tmp_path / "hf")
-    run_distributed(_convert, tp * pp, str(hf_dir), str(tmp_path / "ckpt"), tp, pp)
+def test_round_trip_is_bit_identical(tmp_path, name, tp, pp, dtype):
+    hf_dir = save_hf(name, tmp_path / "hf", dtype=dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    run_distributed(_convert, tp * pp, str(hf_dir), str(tmp_path / "ckpt"), tp, pp, dtype_name)
     meta = json.loads((tmp_path / "ckpt" / "cwgrpo_checkpoint.json").read_text())
     assert meta["saved_layout"] == {"tp": tp, "pp": pp, "dp": 1}
+    assert meta["params_dtype"] == dtype_name
+    for file, text in TOKENIZER_FILES.items():
+        assert (tmp_path / "ckpt" / file).read_text() == text
     run_distributed(_export, 1, str(tmp_path / "ckpt"), str(tmp_path / "back"))
     original, back = read_hf_tensors(hf_dir), read_hf_tensors(tmp_path / "back")
     assert sorted(original) == sorted(back)
     for key, tensor in original.items():
+        assert tensor.dtype == back[key].dtype == dtype, key
         assert torch.equal(tensor, back[key]), key
+    for file, text in TOKENIZER_FILES.items():
+        assert (tmp_path / "back" / file).read_text() == text
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(original)
     assert len(set(index["weight_map"].values())) > 1
@@ -86,10 +99,10 @@ def test_round_trip_is_bit_identical(tmp_path, name, tp, pp):
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == config
     from transformers import AutoModelForCausalLM
 
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=dtype)
     ids = torch.randint(0, 1000, (2, 8))
     with torch.no_grad():
-        want = make_hf_model(name)(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)(ids).logits
         assert torch.equal(reloaded(ids).logits, want)
 
 
@@ -249,3 +262,34 @@ def test_cli_reports_bad_input(tmp_path):
     )
     assert done.returncode == 2 and "does not exist" in done.stderr
     assert_nothing_written(tmp_path / "back")
+
+
+def _export_expect_error(rank, world, ckpt, out):
+    from cwgrpo_megatron.megatron.conversion import megatron_to_hf
+
+    try:
+        megatron_to_hf(ckpt, out)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("tamper", ["arch", "weights"])
+def test_megatron_checkpoint_that_does_not_match_its_config(tmp_path, tamper):
+    hf_dir = save_hf("qwen-untied", tmp_path / "hf")
+    ckpt = tmp_path / "ckpt"
+    run_distributed(_convert, 1, str(hf_dir), str(ckpt), 1, 1)
+    meta_path = ckpt / "cwgrpo_checkpoint.json"
+    if tamper == "arch":  # the config says a larger FFN than the saved tensors have
+        meta = json.loads(meta_path.read_text())
+        meta["arch"]["ffn_hidden_size"] = 128
+        meta_path.write_text(json.dumps(meta))
+        expected = "cannot load the dist checkpoint"
+    else:
+        for f in (ckpt / "model").glob("*.distcp"):
+            f.write_bytes(b"broken")
+        expected = "cannot load the dist checkpoint"
+    out = tmp_path / "back"
+    (message,) = run_distributed(_export_expect_error, 1, str(ckpt), str(out))
+    assert message is not None and expected in message, message
+    assert_nothing_written(out)
