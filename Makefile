@@ -32,6 +32,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_logprob.py
 	$(PY) benchmarks/bench_cw_overhead.py
+	$(PY) benchmarks/bench_convert.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
