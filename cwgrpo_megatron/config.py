@@ -104,12 +104,133 @@ class AlgoConfig:
             _check_range("algo.loss_norm_length", self.loss_norm_length, low=1)
 
 
+OPTIMIZERS = ("adam", "sgd")
+PARAM_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    """The Megatron layout; dp = world size / (tp x pp)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    def __post_init__(self) -> None:
+        _check_range("parallel.tp", self.tp, low=1)
+        _check_range("parallel.pp", self.pp, low=1)
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimConfig:
+    """Optimizer, learning-rate schedule and gradient clipping."""
+
+    optimizer: str = "adam"
+    """adam, or sgd (no momentum: the setting under which layouts agree to fp32 precision)."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_ratio: float = 0.1
+    """Fraction of train.total_steps spent in linear warm-up."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (Adam) / L2 (SGD)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("optim.optimizer", self.optimizer, OPTIMIZERS)
+        _check_range("optim.lr", self.lr, low=0.0)
+        _check_range("optim.min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
+        _check_range("optim.warmup_ratio", self.warmup_ratio, low=0.0, high=1.0)
+        _check_range("optim.weight_decay", self.weight_decay, low=0.0)
+        _check_range("optim.clip_grad", self.clip_grad, low=0.0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """The step: batch algebra, micro-batching, precision and seeding."""
+
+    total_steps: int = 100
+    """Optimizer steps of the run (sets the LR schedule)."""
+    prompts_per_step: int = 12
+    """Prompts per rollout batch (P)."""
+    group_size: int = 6
+    """Responses per prompt (G)."""
+    ppo_mini_batches: int = 1
+    """Optimizer steps per rollout batch; later ones re-run the forward-only pass."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch on one data-parallel rank."""
+    temperature: float = 0.7
+    """Sampling temperature: log-probs are those of softmax(logits / temperature)."""
+    params_dtype: str = "float32"
+    """float32 or bfloat16 model parameters."""
+    seed: int = 1234
+    """Seed of Megatron's RNG tracker and of clip_cov's draws."""
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def __post_init__(self) -> None:
+        for key in (
+            "total_steps",
+            "prompts_per_step",
+            "group_size",
+            "ppo_mini_batches",
+            "micro_batch_size",
+        ):
+            _check_range(f"train.{key}", getattr(self, key), low=1)
+        if self.temperature <= 0:
+            raise ValueError(f"train.temperature={self.temperature} must be > 0")
+        _check_choice("train.params_dtype", self.params_dtype, PARAM_DTYPES)
+        if self.prompts_per_step % self.ppo_mini_batches:
+            raise ValueError(
+                f"train.prompts_per_step={self.prompts_per_step} must be a multiple of "
+                f"train.ppo_mini_batches={self.ppo_mini_batches} (whole prompt groups per "
+                "mini-batch)"
+            )
+
+
 @dataclass(kw_only=True, frozen=True)
 class Config:
-    """A whole run. Later sections (model, parallel, rollout, data) join `algo` here."""
+    """A whole run. Later sections (model, rollout, data) join these."""
 
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """The policy-gradient algorithm."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The Megatron layout."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training step."""
+
+    def check_world(self, world_size: int) -> int:
+        """The data-parallel size for `world_size` ranks; ValueError when the batch cannot
+        be split into whole prompt groups per data-parallel rank and mini-batch."""
+        tp, pp = self.parallel.tp, self.parallel.pp
+        if world_size % (tp * pp):
+            raise ValueError(f"world size {world_size} is not a multiple of tp x pp = {tp * pp}")
+        dp = world_size // (tp * pp)
+        prompts = self.train.prompts_per_step // self.train.ppo_mini_batches
+        if prompts % dp:
+            raise ValueError(
+                f"{prompts} prompts per mini-batch do not split over dp={dp} ranks; make "
+                "train.prompts_per_step / train.ppo_mini_batches a multiple of dp"
+            )
+        rows = prompts // dp * self.train.group_size
+        if rows % self.train.micro_batch_size:
+            raise ValueError(
+                f"{rows} sequences per rank and mini-batch are not a multiple of "
+                f"train.micro_batch_size={self.train.micro_batch_size}"
+            )
+        return dp
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:

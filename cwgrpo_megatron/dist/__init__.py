@@ -1,6 +1,6 @@
 """The only door to collectives: explicit process groups, `group=None` = this process alone."""
 
-from cwgrpo_megatron.dist.collectives import max_over, rank_in, size_of, sum_over
+from cwgrpo_megatron.dist.collectives import broadcast_from, max_over, rank_in, size_of, sum_over
 from cwgrpo_megatron.dist.covariance import covariance_weights
 from cwgrpo_megatron.dist.metrics import reduce_metrics
 from cwgrpo_megatron.dist.scopes import (
@@ -14,6 +14,7 @@ from cwgrpo_megatron.dist.vocab_parallel import vocab_parallel_logprob_entropy
 
 __all__ = [
     "LayoutDependentWarning",
+    "broadcast_from",
     "covariance_weights",
     "global_scope",
     "group_scope",

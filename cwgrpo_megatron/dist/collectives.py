@@ -35,3 +35,11 @@ def sum_over(t: Tensor, group: Group) -> Tensor:
 def max_over(t: Tensor, group: Group) -> Tensor:
     """Elementwise max of `t` over the ranks of `group`."""
     return _all_reduce(t, dist.ReduceOp.MAX, group)
+
+
+def broadcast_from(t: Tensor, src: int, group: Group) -> Tensor:
+    """`t` as held by global rank `src`, on every rank of `group` (a copy; `t` is untouched)."""
+    out = t.clone()
+    if group is not None and size_of(group) > 1:
+        dist.broadcast(out, src=src, group=group)
+    return out

@@ -2,34 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cwgrpo_megatron.megatron.cpu import on_cpu
 
 
-def forward_logits(model: GPTModel, tokens: torch.Tensor, *, micro_batch_size: int | None = None):
-    """Logits `[b, s, V/tp]` of `tokens [b, s]` on the last pipeline stage, None elsewhere.
+def forward_only(
+    model, token_batches: Sequence[torch.Tensor], on_logits: Callable[[torch.Tensor, int], object]
+) -> list | None:
+    """Run `token_batches` (equal-shaped `[mbs, s]` micro-batches) forward with no gradient.
 
-    Runs Megatron's forward-only schedule (1F1B warm-up sends with pp > 1) over micro-batches of
-    `micro_batch_size` rows (default: the whole batch). Every rank of the model-parallel group
-    must call it with the same tokens.
+    On the last pipeline stage returns `[on_logits(logits, i) for each micro-batch i]`, with
+    logits `[mbs, s, V/tp]`; None on other stages. Every rank of the model-parallel group
+    calls it with the same micro-batches (pipeline stages exchange activations via p2p).
     """
-    b, s = tokens.shape
-    mbs = micro_batch_size or b
-    if b % mbs:
-        raise ValueError(f"batch of {b} rows does not split into micro-batches of {mbs}")
-    positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(mbs, s)
-    batches = iter(tokens.split(mbs))
-    collected: list[torch.Tensor] = []
+    mbs, s = token_batches[0].shape
+    positions = torch.arange(s, device=token_batches[0].device).unsqueeze(0).expand(mbs, s)
+    batches = iter(enumerate(token_batches))
+    results: list = []
 
     def forward_step(data_iterator, model_chunk):
-        output = model_chunk(next(data_iterator), positions, attention_mask=None)
+        index, tokens = next(data_iterator)
+        output = model_chunk(tokens, positions, attention_mask=None)
 
         def keep(output_tensor):
-            collected.append(output_tensor.detach())
+            results.append(on_logits(output_tensor.detach(), index))
             return output_tensor.new_zeros(()), {}
 
         return output, keep
@@ -39,11 +40,18 @@ def forward_logits(model: GPTModel, tokens: torch.Tensor, *, micro_batch_size: i
             forward_step_func=forward_step,
             data_iterator=batches,
             model=[model],
-            num_microbatches=b // mbs,
+            num_microbatches=len(token_batches),
             seq_length=s,
             micro_batch_size=mbs,
             forward_only=True,
         )
-    if not parallel_state.is_pipeline_last_stage():
-        return None
-    return torch.cat(collected, dim=0)
+    return results if parallel_state.is_pipeline_last_stage() else None
+
+
+def forward_logits(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None):
+    """Logits `[b, s, V/tp]` of `tokens [b, s]` on the last pipeline stage, None elsewhere."""
+    mbs = micro_batch_size or tokens.shape[0]
+    if tokens.shape[0] % mbs:
+        raise ValueError(f"batch of {tokens.shape[0]} rows does not split into {mbs}-row parts")
+    out = forward_only(model, list(tokens.split(mbs)), lambda logits, _: logits)
+    return None if out is None else torch.cat(out, dim=0)

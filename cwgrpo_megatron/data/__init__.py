@@ -1,0 +1,1 @@
+"""Prompt data and the batch contract of the training step."""

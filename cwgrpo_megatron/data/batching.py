@@ -1,0 +1,154 @@
+"""The training batch: token rows with per-token loss mask, advantage and rollout log-probs.
+
+Row i holds one response with its prompt, right-padded to a common length s. Position t
+predicts `labels[i, t] = tokens[i, t + 1]`; every per-token field lives on those label
+positions, so `loss_mask[i, t] = 1` exactly when `labels[i, t]` is a response token.
+
+Splitting keeps prompt groups whole: a mini-batch and a data-parallel shard are unions of
+whole groups, so the `group` scope never needs communication and a prompt group never spans
+data-parallel ranks. The global mini-batch k is the same set of rows whatever the layout:
+the rollout batch is first cut into mini-batches, then each mini-batch into DP shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cwgrpo_megatron.algo.advantages import broadcast_to_tokens, group_advantages
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    tokens: Tensor
+    """[b, s] int64 prompt + response ids, right-padded."""
+    labels: Tensor
+    """[b, s] int64 next-token targets (tokens shifted left by one)."""
+    loss_mask: Tensor
+    """[b, s] float32, 1 where labels is a response token."""
+    advantages: Tensor
+    """[b, s] float32 per-token advantage A_i (zero outside the mask)."""
+    rollout_logp: Tensor
+    """[b, s] float32 sampling log-probs of the labels (zero outside the mask)."""
+    prompt_index: Tensor
+    """[b] int64 global prompt id of each row."""
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def position_ids(self) -> Tensor:
+        b, s = self.tokens.shape
+        return torch.arange(s, device=self.tokens.device).unsqueeze(0).expand(b, s)
+
+    def select(self, rows: slice) -> TrainBatch:
+        return TrainBatch(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+
+    def split(self, parts: int) -> list[TrainBatch]:
+        """`parts` equal consecutive slices; each must hold whole prompt groups."""
+        if self.rows % parts:
+            raise ValueError(f"{self.rows} rows do not split into {parts} equal parts")
+        size = self.rows // parts
+        self._check_whole_groups(size)
+        return [self.select(slice(i * size, (i + 1) * size)) for i in range(parts)]
+
+    def micro_batches(self, size: int) -> list[TrainBatch]:
+        """Consecutive micro-batches of `size` rows (groups may be split across them)."""
+        if self.rows % size:
+            raise ValueError(f"{self.rows} rows are not a multiple of micro_batch_size={size}")
+        return [self.select(slice(i, i + size)) for i in range(0, self.rows, size)]
+
+    def shard(self, rank: int, size: int) -> TrainBatch:
+        """This data-parallel rank's block of whole prompt groups."""
+        return self.split(size)[rank]
+
+    def _check_whole_groups(self, size: int) -> None:
+        idx = self.prompt_index
+        for start in range(size, self.rows, size):
+            if idx[start] == idx[start - 1]:
+                raise ValueError(
+                    f"a cut at row {start} would split prompt {int(idx[start])} across parts; "
+                    "cut at prompt-group boundaries"
+                )
+
+
+def build_train_batch(
+    *,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[Sequence[int]]],
+    rewards: Tensor,
+    rollout_logps: Sequence[Sequence[Sequence[float]]] | None = None,
+    pad_id: int = 0,
+    std_normalize: bool = True,
+    adv_eps: float = 1e-6,
+    seq_len: int | None = None,
+) -> TrainBatch:
+    """Rows for P prompts x G responses, GRPO advantages from `rewards [P, G]`.
+
+    `responses[p][g]` are the sampled ids of response g of prompt p, `rollout_logps[p][g]` their
+    sampling log-probs (optional; zeros when absent). Rows are padded to `seq_len` (default: the
+    longest prompt + response).
+    """
+    num_prompts, group = rewards.shape
+    if len(prompts) != num_prompts or any(len(r) != group for r in responses):
+        raise ValueError("prompts / responses do not match rewards [prompts, group_size]")
+    adv_rows = group_advantages(rewards, std_normalize=std_normalize, eps=adv_eps).reshape(-1)
+    longest = max(len(p) + len(r) for p, rs in zip(prompts, responses, strict=True) for r in rs)
+    s = seq_len or longest
+    if s < longest:
+        raise ValueError(f"seq_len={s} is shorter than the longest prompt + response ({longest})")
+    rows = num_prompts * group
+    tokens = torch.full((rows, s + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros(rows, s)
+    logp = torch.zeros(rows, s)
+    prompt_index = torch.arange(num_prompts).repeat_interleave(group)
+    for p, prompt in enumerate(prompts):
+        for g, response in enumerate(responses[p]):
+            i = p * group + g
+            if not response:
+                raise ValueError(f"response {g} of prompt {p} is empty")
+            n_p, n_r = len(prompt), len(response)
+            tokens[i, :n_p] = torch.tensor(prompt)
+            tokens[i, n_p : n_p + n_r] = torch.tensor(response)
+            # position t predicts token t + 1: response tokens are labels n_p - 1 ... n_p + n_r - 2
+            mask[i, n_p - 1 : n_p + n_r - 1] = 1.0
+            if rollout_logps is not None:
+                logp[i, n_p - 1 : n_p + n_r - 1] = torch.tensor(rollout_logps[p][g])
+    return TrainBatch(
+        tokens=tokens[:, :s].contiguous(),
+        labels=tokens[:, 1 : s + 1].contiguous(),
+        loss_mask=mask,
+        advantages=broadcast_to_tokens(adv_rows, mask),
+        rollout_logp=logp,
+        prompt_index=prompt_index,
+    )
+
+
+def synthetic_batch(
+    *, prompts: int, group_size: int, seq_len: int, vocab_size: int, seed: int = 0
+) -> TrainBatch:
+    """A fixed, seeded batch of random prompts, responses and 0/1 rewards (layout-free)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(1, vocab_size, (n,), generator=gen).tolist()
+
+    prompt_ids = [
+        ids(int(torch.randint(2, seq_len // 2, (1,), generator=gen))) for _ in range(prompts)
+    ]
+    responses = [
+        [
+            ids(int(torch.randint(1, seq_len - len(p) + 1, (1,), generator=gen)))
+            for _ in range(group_size)
+        ]
+        for p in prompt_ids
+    ]
+    rewards = torch.randint(0, 2, (prompts, group_size), generator=gen).float()
+    return build_train_batch(
+        prompts=prompt_ids, responses=responses, rewards=rewards, seq_len=seq_len
+    )

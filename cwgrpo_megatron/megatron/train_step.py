@@ -1,0 +1,351 @@
+"""The CW-GRPO optimizer step on Megatron-Core (DESIGN section 4, steps 5-9).
+
+Per rollout batch (identical on every rank), for each PPO mini-batch k:
+
+    1. this DP rank's shard of mini-batch k, cut into micro-batches
+    2. forward-only pass -> old log-probs l_old [b, s] (and entropy) on the last stage;
+       for k > 0 a fresh pass of the current policy gives the statistics' log-probs
+    3. scope statistics -> per-token constant (w~ for cw_grpo): at most 3 tiny all-reduces over
+       the DP group on the last stage; no TP reduction (TP ranks hold identical [b, s]
+       log-probs) and no PP broadcast (only the last stage has a loss)
+    4. forward + backward through Megatron's schedule (1F1B with pp > 1); `loss_func` returns
+       (loss_sum, num_tokens, metrics) and Megatron divides gradients by the global count
+    5. a non-finite gradient anywhere skips the step (one 1-scalar MAX all-reduce)
+    6. optimizer step (gradient clipping inside), LR schedule step
+
+Cost of several mini-batches: mini-batch 0 reuses the rollout's forward-only pass; each later
+one runs one more forward-only pass over its rows, i.e. (M - 1) / M extra forward passes of the
+rollout batch for M mini-batches.
+
+Reference policy (kl_beta > 0): a frozen copy of the initial weights with the same layout, run
+forward-only; it costs one more copy of this rank's parameters (params_dtype bytes, no
+gradients, no optimizer state).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
+from cwgrpo_megatron.algo.metrics import Metrics, finalize, merge
+from cwgrpo_megatron.config import Config
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.data.batching import TrainBatch
+from cwgrpo_megatron.dist import (
+    broadcast_from,
+    make_scope,
+    max_over,
+    reduce_metrics,
+    sum_over,
+    vocab_parallel_logprob_entropy,
+)
+from cwgrpo_megatron.megatron.cpu import on_cpu
+from cwgrpo_megatron.megatron.forward import forward_only
+from cwgrpo_megatron.megatron.model import DTYPES, build_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    arch: ModelArch
+    model: DistributedDataParallel
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    ref_model: object | None = None
+    step: int = 0
+    skipped_steps: int = 0
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def build_trainer(cfg: Config, arch: ModelArch, load_weights) -> Trainer:
+    """Model (loaded by `load_weights(model)`), DDP, optimizer and LR schedule on this rank."""
+    dtype = DTYPES[cfg.train.params_dtype]
+    model = build_model(arch, params_dtype=dtype, calculate_per_token_loss=True)
+    load_weights(model)
+    ref_model = None
+    if cfg.algo.kl_beta > 0:
+        ref_model = build_model(arch, params_dtype=dtype, perform_initialization=False)
+        ref_model.load_state_dict(model.state_dict())
+        ref_model.eval().requires_grad_(False)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+    )
+    with on_cpu():
+        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        optimizer = get_megatron_optimizer(_optimizer_config(cfg), [ddp])
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    model.config.grad_scale_func = optimizer.scale_loss
+    o, total = cfg.optim, cfg.train.total_steps
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_ratio > 0 else o.lr,
+        max_lr=o.lr,
+        min_lr=o.lr * o.min_lr_ratio,
+        lr_warmup_steps=int(o.warmup_ratio * total),
+        lr_decay_steps=total,
+        lr_decay_style="cosine",
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=total,
+        wd_incr_style="constant",
+    )
+    return Trainer(cfg, arch, ddp, optimizer, scheduler, ref_model)
+
+
+def _optimizer_config(cfg: Config) -> OptimizerConfig:
+    o = cfg.optim
+    return OptimizerConfig(
+        optimizer=o.optimizer,
+        lr=o.lr,
+        min_lr=o.lr * o.min_lr_ratio,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        sgd_momentum=0.0,
+        clip_grad=o.clip_grad,
+        bf16=cfg.train.params_dtype == "bfloat16",
+        params_dtype=DTYPES[cfg.train.params_dtype],
+        use_distributed_optimizer=o.use_distributed_optimizer,
+    )
+
+
+# ---- the pieces of a step ------------------------------------------------------------------
+
+
+def logprobs(model, micro: list[TrainBatch], cfg: Config, arch: ModelArch):
+    """(logp, entropy) `[b, s]` of the labels at the sampling temperature; last stage only."""
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def score(logits, i):
+        return vocab_parallel_logprob_entropy(
+            logits,
+            micro[i].labels,
+            group=tp_group,
+            temperature=cfg.train.temperature,
+            vocab_size=arch.vocab_size,
+        )
+
+    out = forward_only(model, [m.tokens for m in micro], score)
+    if out is None:
+        return None, None
+    return torch.cat([lp for lp, _ in out]), torch.cat([h for _, h in out])
+
+
+@dataclass
+class _Micro:
+    batch: TrainBatch
+    old_logp: torch.Tensor | None
+    token_stat: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+
+
+def _loss_func(micro: _Micro, trainer: Trainer, output_tensor: torch.Tensor):
+    cfg, b = trainer.cfg, micro.batch
+    logp, entropy = vocab_parallel_logprob_entropy(
+        output_tensor,
+        b.labels,
+        group=parallel_state.get_tensor_model_parallel_group(),
+        temperature=cfg.train.temperature,
+        vocab_size=trainer.arch.vocab_size,
+    )
+    out = get_policy_loss(cfg.algo.policy_loss)(
+        PolicyBatch(
+            logp=logp,
+            old_logp=micro.old_logp,
+            advantages=b.advantages,
+            mask=b.loss_mask,
+            token_stat=micro.token_stat,
+            ref_logp=micro.ref_logp,
+            entropy=entropy.detach(),
+        ),
+        cfg.algo,
+    )
+    # the schedule divides loss_sum in place: report copies
+    report = {"loss_sum": out.loss_sum.detach().clone(), "count": out.num_tokens.detach().clone()}
+    return out.loss_sum, out.num_tokens.to(torch.int), {**report, "metrics": out.metrics}
+
+
+def _forward_backward(trainer: Trainer, micro: list[_Micro]) -> list[dict]:
+    def forward_step(data_iterator, model_chunk):
+        m = next(data_iterator)
+        output = model_chunk(m.batch.tokens, m.batch.position_ids, attention_mask=None)
+        return output, partial(_loss_func, m, trainer)
+
+    mbs, s = micro[0].batch.tokens.shape
+    with on_cpu():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[trainer.model],
+            num_microbatches=len(micro),
+            seq_length=s,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
+
+
+def _grads_finite(trainer: Trainer) -> bool:
+    """True when every gradient on every rank is finite (one MAX all-reduce of 1 scalar)."""
+    bad = torch.zeros((), dtype=torch.float32)
+    for p in trainer.model.parameters():
+        grad = getattr(p, "main_grad", None)
+        if grad is not None and not torch.isfinite(grad).all():
+            bad.fill_(1.0)
+            break
+    return bool(max_over(bad, dist.group.WORLD) == 0)
+
+
+def _slices(tensor: torch.Tensor | None, size: int, count: int) -> list:
+    """`count` row blocks of `tensor`, or `count` Nones where a stage has no such tensor."""
+    return [None] * count if tensor is None else list(tensor.split(size))
+
+
+# ---- the step --------------------------------------------------------------------------------
+
+
+def train_step(trainer: Trainer, rollout: TrainBatch) -> list[StepResult]:
+    """All PPO mini-batch updates of one rollout batch; one StepResult per optimizer step.
+
+    `rollout` is the whole rollout batch, identical on every rank.
+    """
+    cfg = trainer.cfg
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    mini_batches = [m.shard(dp_rank, dp_size) for m in rollout.split(cfg.train.ppo_mini_batches)]
+    split = [m.micro_batches(cfg.train.micro_batch_size) for m in mini_batches]
+    # l_old of every mini-batch comes from the policy before this rollout's first update
+    old = [logprobs(trainer.model, micro, cfg, trainer.arch)[0] for micro in split]
+    results = []
+    for k, (local, micro) in enumerate(zip(mini_batches, split, strict=True)):
+        stat_logp = old[k] if k == 0 else logprobs(trainer.model, micro, cfg, trainer.arch)[0]
+        ref_logp = None
+        if trainer.ref_model is not None:
+            ref_logp = logprobs(trainer.ref_model, micro, cfg, trainer.arch)[0]
+        results.append(_update(trainer, local, micro, old[k], stat_logp, ref_logp))
+    return results
+
+
+def _update(trainer, local, micro, old_logp, stat_logp, ref_logp) -> StepResult:
+    cfg = trainer.cfg
+    last = parallel_state.is_pipeline_last_stage()
+    token_stat, prepared_metrics = None, {}
+    if last:
+        scope = make_scope(
+            cfg.algo.cov_scope,
+            batch_size=local.rows,
+            group=parallel_state.get_data_parallel_group(),
+            prompt_index=local.prompt_index,
+            micro_batch_index=torch.arange(local.rows) // cfg.train.micro_batch_size,
+        )
+        generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + trainer.step)
+        prepared = get_policy_loss(cfg.algo.policy_loss).prepare(
+            stat_logp,
+            local.advantages,
+            local.loss_mask,
+            scope=scope,
+            cfg=cfg.algo,
+            generator=generator,
+        )
+        token_stat, prepared_metrics = prepared.token_stat, prepared.metrics
+    size = cfg.train.micro_batch_size
+    n = len(micro)
+    micro_inputs = [
+        _Micro(*parts)
+        for parts in zip(
+            micro,
+            _slices(old_logp, size, n),
+            _slices(token_stat, size, n),
+            _slices(ref_logp, size, n),
+            strict=True,
+        )
+    ]
+    trainer.model.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    outputs = _forward_backward(trainer, micro_inputs)
+    loss, metrics = _reduce_outputs(outputs, prepared_metrics, last)
+    finite = _grads_finite(trainer)
+    grad_norm = float("nan")
+    if finite:
+        with on_cpu():
+            _, grad_norm, _ = trainer.optimizer.step()
+        trainer.scheduler.step(increment=1)
+    else:
+        trainer.skipped_steps += 1
+        log.warning("step %d skipped: non-finite gradient", trainer.step)
+    trainer.step += 1
+    return StepResult(loss=loss, grad_norm=float(grad_norm), skipped=not finite, metrics=metrics)
+
+
+def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool):
+    """Global loss and metrics, reduced over DP on the last stage, then sent to every stage."""
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    src = parallel_state.get_pipeline_model_parallel_last_rank()
+    names: list[str] = []
+    values = torch.zeros(0, dtype=torch.float64)
+    if last:
+        dp_group = parallel_state.get_data_parallel_group()
+        merged: Metrics = dict(prepared)
+        for out in outputs:
+            merged = merge(merged, out["metrics"])
+        totals = torch.stack(
+            [
+                sum(o["loss_sum"].double() for o in outputs),
+                sum(o["count"].double() for o in outputs),
+            ]
+        )
+        totals = sum_over(totals, dp_group)
+        final = finalize(reduce_metrics(merged, group=dp_group))
+        names = sorted(final)
+        values = torch.stack([totals[0] / totals[1].clamp(min=1)] + [final[n] for n in names])
+    # every stage learns the loss; the metric names stay on the last stage, which logs them
+    count = broadcast_from(torch.tensor(float(len(names) + 1)), src, pp_group)
+    if not last:
+        values = torch.zeros(int(count), dtype=torch.float64)
+    values = broadcast_from(values.to(torch.float64), src, pp_group)
+    metrics = dict(zip(names, values[1:].tolist(), strict=True)) if last else {}
+    return float(values[0]), metrics
+
+
+def param_checksum(model) -> float:
+    """Float64 sum of every logical parameter once: TP shards add up, TP-replicated tensors
+    count on tp rank 0 only, DP replicas on dp rank 0 only, and a tied output layer (the last
+    stage's copy of the embedding when pp > 1) not at all; summed over all ranks."""
+    gpt = getattr(model, "module", model)
+    tied = getattr(gpt, "share_embeddings_and_output_weights", False)
+    total = torch.zeros((), dtype=torch.float64)
+    if parallel_state.get_data_parallel_rank() == 0:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        for name, p in gpt.named_parameters():
+            if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
+                continue
+            if tied and name == "output_layer.weight":
+                continue
+            total += p.detach().double().sum()
+    return float(sum_over(total, dist.group.WORLD))
