@@ -1,0 +1,155 @@
+"""The CW-GRPO train step gives the same numbers at every layout (gloo, 1-4 processes)."""
+
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_distributed
+
+# (tp, pp, micro-batches per DP rank); world = 4 except the reference, so dp = 4 / (tp pp)
+LAYOUTS = {
+    "tp1-pp1-dp1-mb4": (1, 1, 4, 1),
+    "tp2-dp2-mb1": (2, 1, 1, 4),
+    "pp2-dp2-mb2": (1, 2, 2, 4),
+    "tp2-pp2-mb4": (2, 2, 4, 4),
+}
+
+
+def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind):
+    from cwgrpo_megatron.dist.scopes import LayoutDependentWarning
+    from cwgrpo_megatron.megatron import layout_check
+
+    batch_fn = None
+    if batch_kind == "equal-rewards":
+        batch_fn = _equal_rewards_batch
+    elif batch_kind == "padding-rank":
+        batch_fn = _padding_rank_batch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = layout_check.run(
+            tp=tp,
+            pp=pp,
+            micro_batches=micro_batches,
+            global_batch=16,
+            group_size=4,
+            seq_len=16,
+            steps=2,
+            overrides=overrides,
+            batch_fn=batch_fn,
+        )
+    result["warned"] = any(issubclass(w.category, LayoutDependentWarning) for w in caught)
+    return result
+
+
+def _equal_rewards_batch(step, arch):
+    from cwgrpo_megatron.data.batching import build_train_batch
+
+    gen = torch.Generator().manual_seed(step)
+    prompts = [torch.randint(1, 1000, (4,), generator=gen).tolist() for _ in range(4)]
+    responses = [
+        [torch.randint(1, 1000, (6,), generator=gen).tolist() for _ in range(4)] for _ in prompts
+    ]
+    return build_train_batch(
+        prompts=prompts, responses=responses, rewards=torch.full((4, 4), 0.5), seq_len=16
+    )
+
+
+def _padding_rank_batch(step, arch):
+    """The second half of the batch (rank 1 of dp 2) has no counted token at all."""
+    from cwgrpo_megatron.data.batching import synthetic_batch
+
+    batch = synthetic_batch(prompts=4, group_size=4, seq_len=16, vocab_size=1000, seed=step)
+    batch.loss_mask[8:] = 0
+    batch.advantages[8:] = 0
+    return batch
+
+
+def layout(name, overrides=(), batch_kind=None):
+    tp, pp, mb, world = LAYOUTS[name]
+    return run_distributed(_run, world, tp, pp, mb, list(overrides), batch_kind)[0]
+
+
+def assert_same(a, b, rtol, what):
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            torch.tensor(a[key]),
+            torch.tensor(b[key]),
+            rtol=rtol,
+            atol=1e-7,
+            msg=f"{what}: {key} {a[key]} vs {b[key]}",
+        )
+    assert abs(a["param_checksum"] - b["param_checksum"]) <= rtol * abs(b["param_checksum"]), what
+
+
+@pytest.mark.parametrize("loss", ["cw_grpo", "grpo"])
+def test_layouts_agree_with_sgd(loss):
+    overrides = [f"algo.policy_loss={loss}"]
+    ref = layout("tp1-pp1-dp1-mb4", overrides)
+    assert all(abs(x) > 1e-4 for x in ref["grad_norm"]), "the step must move the parameters"
+    assert ref["param_checksum"] != ref["initial_checksum"]
+    for name in ("tp2-dp2-mb1", "pp2-dp2-mb2", "tp2-pp2-mb4"):
+        got = layout(name, overrides)
+        assert got["layout"]["dp"] == 4 // (got["layout"]["tp"] * got["layout"]["pp"])
+        assert_same(got, ref, 1e-5, f"{loss} {name}")
+
+
+def test_layouts_agree_with_adam():
+    # Adam divides by sqrt(v): parameters whose gradients are ~0 amplify fp32 reduction-order
+    # noise into visible updates, so the check is looser than SGD's 1e-5.
+    overrides = ["optim.optimizer=adam", "optim.lr=1e-3"]
+    ref = layout("tp1-pp1-dp1-mb4", overrides)
+    got = layout("tp2-pp2-mb4", overrides)
+    assert_same(got, ref, 1e-3, "adam tp2-pp2-mb4")
+
+
+def test_micro_batch_scope_depends_on_layout_and_warns():
+    overrides = ["algo.cov_scope=micro_batch"]
+    ref = layout("tp1-pp1-dp1-mb4", overrides)
+    got = layout("tp2-dp2-mb1", overrides)
+    assert ref["warned"] and got["warned"]
+    assert abs(got["param_checksum"] - ref["param_checksum"]) > 1e-5 * abs(ref["param_checksum"])
+
+
+def test_equal_rewards_leave_parameters_unchanged():
+    result = layout("tp2-dp2-mb1", batch_kind="equal-rewards")
+    assert result["loss"] == [0.0, 0.0]
+    assert result["grad_norm"] == [0.0, 0.0]
+    assert result["param_checksum"] == result["initial_checksum"]
+
+
+def test_rank_holding_only_padding():
+    ref = layout("tp1-pp1-dp1-mb4", batch_kind="padding-rank")
+    got = layout("pp2-dp2-mb2", batch_kind="padding-rank")
+    assert all(torch.isfinite(torch.tensor(got["loss"] + got["grad_norm"])))
+    assert_same(got, ref, 1e-5, "padding rank")
+
+
+def _count_scope_reductions(rank, world):
+    from cwgrpo_megatron.dist import scopes
+    from cwgrpo_megatron.megatron import layout_check
+
+    sizes = []
+    original = scopes.sum_over
+
+    def counted(t, group):
+        sizes.append(t.numel())
+        return original(t, group)
+
+    scopes.sum_over = counted
+    try:
+        layout_check.run(
+            tp=1, pp=2, micro_batches=2, global_batch=16, group_size=4, seq_len=16, steps=1
+        )
+        last = parallel_state.is_pipeline_last_stage() if parallel_state.is_initialized() else None
+    finally:
+        scopes.sum_over = original
+    return {"sizes": sizes, "rank": rank, "last": last}
+
+
+def test_scope_statistics_use_at_most_three_tiny_all_reduces():
+    per_rank = run_distributed(_count_scope_reductions, 4)  # pp 2 x dp 2
+    with_stats = [s for s in per_rank if s]
+    assert len(with_stats) == 2, per_rank  # only the two last-stage ranks compute statistics
+    for sizes in with_stats:
+        assert len(sizes) == 3 and max(sizes) <= 8, sizes
