@@ -1,0 +1,192 @@
+"""Training checkpoints: model, optimizer, LR schedule, RNG, step, data position, config.
+
+    ROOT/step_00000012/
+        model/                    dist checkpoint of {"model", "optimizer"} (torch_dist); the
+                                  distributed optimizer uses the fully_reshardable format, so
+                                  the folder loads at another TP x PP x DP layout too
+        train_state.json          step, data position, LR schedule, layout, resolved config
+        rng/rank_00003.pt         each rank's Python / NumPy / torch / tracker RNG states
+
+Each checkpoint is written into a hidden temporary sibling and renamed when complete; a killed
+save leaves the previous checkpoints intact. Only the newest `keep_last` are kept.
+RNG states are restored only in the layout they were saved in (a rank's stream has no meaning
+in another layout); elsewhere a warning says they were not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from torch.distributed.checkpoint.api import CheckpointException
+
+from cwgrpo_megatron.megatron.checkpoint import AtomicDir
+from cwgrpo_megatron.megatron.cpu import on_cpu
+from cwgrpo_megatron.megatron.parallel import layout
+from cwgrpo_megatron.megatron.train_step import Trainer
+
+log = logging.getLogger(__name__)
+STATE_NAME = "train_state.json"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _sharded_state(trainer: Trainer, *, is_loading: bool) -> dict:
+    model_sd = trainer.model.module.sharded_state_dict()
+    if is_loading and trainer.cfg.optim.use_distributed_optimizer:
+        _ensure_optimizer_state(trainer.optimizer)
+    optim_sd = trainer.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata=SHARDING
+    )
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Megatron's distributed optimizer needs its (lazily made) state to exist before it can
+    describe the shards to load into. Without apex / TE, torch's Adam also keeps a per-param
+    `step`, which Megatron's init_state_fn does not create; the loaded value replaces it."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if opt.init_state_fn is None:
+            continue
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                opt.optimizer.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, working around megatron-core 0.16's distributed optimizer
+    without apex / TE: it sets torch Adam's per-param `step` from the param groups (one tensor
+    shared by all parameters), then copies every state key, `step` included, from the
+    fully_reshardable parameter state, which has none. So the parameter state is loaded with
+    `step` set aside, and each parameter gets its own copy of `step` back."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
+    for opt, part in zip(chained, parts, strict=True):
+        param_state = (
+            part.pop("param_state", None) if hasattr(opt, "model_param_group_index_map") else None
+        )
+        opt.load_state_dict(part)
+        if param_state is None:
+            continue
+        if part.get("param_state_sharding_type") != "fully_reshardable":
+            raise ValueError("only fully_reshardable distributed-optimizer checkpoints load here")
+        steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        # Megatron assigns one shared `step` tensor to every parameter, and torch Adam
+        # increments each parameter's step in place: give each its own copy.
+        for p, step in steps.items():
+            opt.optimizer.state[p]["step"] = step.clone()
+
+
+def _rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def step_dirs(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / STATE_NAME).is_file()]
+    return sorted(found)
+
+
+def latest(root: str | Path) -> Path | None:
+    dirs = step_dirs(root)
+    return dirs[-1] if dirs else None
+
+
+def save(trainer: Trainer, root: str | Path, *, data_state: dict, keep_last: int = 2) -> Path:
+    """Write ROOT/step_<trainer.step> (collective over all ranks) and prune old ones."""
+    path = Path(root) / f"step_{trainer.step:08d}"
+    atomic = AtomicDir(path, overwrite=True)
+    with atomic as tmp:
+        if _rank() == 0:
+            (tmp / "model").mkdir()
+            (tmp / "rng").mkdir()
+        if dist.is_initialized():
+            dist.barrier()
+        with on_cpu():
+            dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(tmp / "model"))
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+        if _rank() == 0:
+            state = {
+                "step": trainer.step,
+                "skipped_steps": trainer.skipped_steps,
+                "data_state": data_state,
+                "scheduler": trainer.scheduler.state_dict(),
+                "layout": layout(),
+                "use_distributed_optimizer": trainer.cfg.optim.use_distributed_optimizer,
+                "config": dataclasses.asdict(trainer.cfg),
+            }
+            (tmp / STATE_NAME).write_text(json.dumps(state, indent=2, default=str) + "\n")
+        atomic.commit()
+    if _rank() == 0:
+        for old in step_dirs(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return atomic.final
+
+
+def load(trainer: Trainer, ckpt: str | Path) -> dict:
+    """Restore `trainer` from `ckpt`; returns the saved data position."""
+    ckpt = Path(ckpt)
+    state_path = ckpt / STATE_NAME
+    if not state_path.is_file():
+        raise ValueError(f"{state_path} is missing: {ckpt} is not a complete training checkpoint")
+    state = json.loads(state_path.read_text())
+    saved_dist_opt = state["use_distributed_optimizer"]
+    if saved_dist_opt != trainer.cfg.optim.use_distributed_optimizer:
+        raise ValueError(
+            f"{ckpt} was saved with optim.use_distributed_optimizer={saved_dist_opt}, this run "
+            f"uses {trainer.cfg.optim.use_distributed_optimizer}: their optimizer states are "
+            f"not interchangeable; set optim.use_distributed_optimizer={saved_dist_opt}"
+        )
+    try:
+        with on_cpu():
+            loaded = dist_checkpointing.load(
+                _sharded_state(trainer, is_loading=True), str(ckpt / "model")
+            )
+    except (Exception, CheckpointException) as err:
+        raise ValueError(f"cannot load {ckpt / 'model'}: {type(err).__name__}: {err}") from err
+    trainer.model.module.load_state_dict(loaded["model"], strict=True)
+    _load_optimizer(trainer.optimizer, loaded["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.step = state["step"]
+    trainer.skipped_steps = state["skipped_steps"]
+    if state["layout"] == layout():
+        rng = torch.load(ckpt / "rng" / f"rank_{_rank():05d}.pt", weights_only=False)
+        _set_rng_state(rng)
+    else:
+        log.warning(
+            "RNG states not restored: saved at %s, running at %s", state["layout"], layout()
+        )
+    return state["data_state"]
