@@ -8,7 +8,8 @@ Runs --steps optimizer steps of the real train step (cw_grpo, global scope, SGD 
 overridden) on a fixed seeded synthetic batch of prompts, responses and rewards that does not
 depend on the layout, then writes JSON with `loss` and `grad_norm` (one per step),
 `param_checksum` (float64 sum of all parameters after the last step, each counted once across
-ranks) and `layout`. Without --hf-dir a built-in tiny random Qwen2 is used.
+ranks) and `layout`. With --mini-batches M each rollout batch gives M optimizer steps, the
+later ones on fresh forward-only log-probs. Without --hf-dir a built-in tiny random Qwen2 is used.
 """
 
 import argparse
@@ -31,7 +32,10 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch", type=int, default=24, help="sequences per step")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=24)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="rollout batches")
+    parser.add_argument(
+        "--mini-batches", type=int, default=1, help="PPO mini-batches (optimizer steps) per batch"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-dir", default=None)
     parser.add_argument("--out", required=True)
@@ -52,6 +56,7 @@ def main(argv=None) -> int:
             group_size=args.group_size,
             seq_len=args.seq_len,
             steps=args.steps,
+            mini_batches=args.mini_batches,
             seed=args.seed,
             hf_dir=args.hf_dir,
             overrides=args.overrides,

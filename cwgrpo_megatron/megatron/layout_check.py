@@ -49,15 +49,19 @@ def layout_config(
     group_size: int,
     steps: int,
     world_size: int,
+    mini_batches: int = 1,
     overrides: Sequence[str] = (),
 ) -> Config:
-    """The run's config: SGD without clipping or schedule unless `overrides` say otherwise."""
+    """The run's config: SGD without clipping or schedule unless `overrides` say otherwise.
+
+    `micro_batches` counts the micro-batches of one data-parallel rank per mini-batch.
+    """
     if global_batch % group_size:
         raise ValueError(
             f"global batch {global_batch} is not a multiple of group size {group_size}"
         )
     dp = max(world_size // (tp * pp), 1)
-    rows = global_batch // dp
+    rows = global_batch // dp // mini_batches
     if rows % micro_batches:
         raise ValueError(f"{rows} rows per rank do not split into {micro_batches} micro-batches")
     defaults = [
@@ -67,7 +71,8 @@ def layout_config(
         "algo.cov_scope=global",
         f"train.prompts_per_step={global_batch // group_size}",
         f"train.group_size={group_size}",
-        f"train.total_steps={steps}",
+        f"train.total_steps={steps * mini_batches}",
+        f"train.ppo_mini_batches={mini_batches}",
         f"train.micro_batch_size={rows // micro_batches}",
         "train.temperature=1.0",
         "optim.optimizer=sgd",
@@ -90,12 +95,14 @@ def run(
     group_size: int = 4,
     seq_len: int = 24,
     steps: int = 2,
+    mini_batches: int = 1,
     seed: int = 0,
     hf_dir: str | None = None,
     overrides: Sequence[str] = (),
     batch_fn=None,
 ) -> dict:
-    """`steps` optimizer steps at tp x pp (dp = world / (tp pp)); needs torch.distributed.
+    """`steps` rollout batches of `mini_batches` optimizer steps each, at tp x pp
+    (dp = world / (tp pp)); needs torch.distributed.
 
     Returns {"loss": [...], "grad_norm": [...], "param_checksum": float, "layout": {...},
     "skipped": [...]} on every rank. `batch_fn(step, arch)` may replace the synthetic batch.
@@ -108,6 +115,7 @@ def run(
         group_size=group_size,
         steps=steps,
         world_size=dist.get_world_size(),
+        mini_batches=mini_batches,
         overrides=overrides,
     )
     if hf_dir:

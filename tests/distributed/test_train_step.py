@@ -16,7 +16,7 @@ LAYOUTS = {
 }
 
 
-def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind):
+def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind, mini_batches=1):
     from cwgrpo_megatron.dist.scopes import LayoutDependentWarning
     from cwgrpo_megatron.megatron import layout_check
 
@@ -25,6 +25,8 @@ def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind):
         batch_fn = _equal_rewards_batch
     elif batch_kind == "padding-rank":
         batch_fn = _padding_rank_batch
+    elif batch_kind == "nan-advantage":
+        batch_fn = _nan_advantage_batch
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = layout_check.run(
@@ -37,6 +39,7 @@ def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind):
             steps=2,
             overrides=overrides,
             batch_fn=batch_fn,
+            mini_batches=mini_batches,
         )
     result["warned"] = any(issubclass(w.category, LayoutDependentWarning) for w in caught)
     return result
@@ -65,9 +68,22 @@ def _padding_rank_batch(step, arch):
     return batch
 
 
-def layout(name, overrides=(), batch_kind=None):
+def _nan_advantage_batch(step, arch):
+    """Step 0 carries a NaN advantage (a broken reward), step 1 is clean."""
+    from cwgrpo_megatron.data.batching import synthetic_batch
+
+    batch = synthetic_batch(prompts=4, group_size=4, seq_len=16, vocab_size=1000, seed=step)
+    if step == 0:
+        row, col = torch.nonzero(batch.loss_mask)[0]
+        batch.advantages[row, col] = float("nan")
+    return batch
+
+
+def layout(name, overrides=(), batch_kind=None, mini_batches=1):
     tp, pp, mb, world = LAYOUTS[name]
-    return run_distributed(_run, world, tp, pp, mb, list(overrides), batch_kind)[0]
+    if mini_batches > 1:
+        mb = max(mb // mini_batches, 1)
+    return run_distributed(_run, world, tp, pp, mb, list(overrides), batch_kind, mini_batches)[0]
 
 
 def assert_same(a, b, rtol, what):
@@ -152,3 +168,30 @@ def test_scope_statistics_use_at_most_three_tiny_all_reduces():
     assert len(with_stats) == 2, per_rank  # only the two last-stage ranks compute statistics
     for sizes in with_stats:
         assert len(sizes) == 3 and max(sizes) <= 8, sizes
+
+
+def test_layouts_agree_with_kl_to_the_reference_policy():
+    # step 0: policy == reference, so the KL term has no gradient; step 1 exercises it
+    overrides = ["algo.kl_beta=0.5", "algo.kl_estimator=k3"]
+    ref = layout("tp1-pp1-dp1-mb4", overrides)
+    plain = layout("tp1-pp1-dp1-mb4")
+    assert ref["loss"][0] == pytest.approx(plain["loss"][0], rel=1e-6)
+    assert ref["param_checksum"] != plain["param_checksum"], "the KL term must change the update"
+    assert_same(layout("tp2-pp2-mb4", overrides), ref, 1e-5, "kl tp2-pp2")
+
+
+def test_layouts_agree_with_two_ppo_mini_batches():
+    ref = layout("tp1-pp1-dp1-mb4", mini_batches=2)
+    assert len(ref["loss"]) == 4  # 2 rollout batches x 2 optimizer steps
+    for name in ("tp2-dp2-mb1", "pp2-dp2-mb2"):
+        assert_same(layout(name, mini_batches=2), ref, 1e-5, f"mini-batches {name}")
+
+
+def test_non_finite_gradient_skips_the_step():
+    result = layout("tp2-dp2-mb1", batch_kind="nan-advantage")
+    assert result["skipped"] == [True, False]
+    clean = layout("tp2-dp2-mb1", batch_kind="nan-advantage", overrides=["optim.lr=0.0"])
+    assert clean["skipped"] == [True, False]
+    # the skipped step left the parameters as they were: only step 1 moved them
+    assert result["param_checksum"] != result["initial_checksum"]
+    assert clean["param_checksum"] == clean["initial_checksum"]
