@@ -195,3 +195,54 @@ def test_non_finite_gradient_skips_the_step():
     # the skipped step left the parameters as they were: only step 1 moved them
     assert result["param_checksum"] != result["initial_checksum"]
     assert clean["param_checksum"] == clean["initial_checksum"]
+
+
+def _lr_sequence(rank, world):
+    import math
+
+    from cwgrpo_megatron.convert.arch import ModelArch
+    from cwgrpo_megatron.megatron import layout_check, parallel
+    from cwgrpo_megatron.megatron.model import load_hf_weights
+    from cwgrpo_megatron.megatron.train_step import build_trainer
+
+    cfg = layout_check.layout_config(
+        tp=1,
+        pp=1,
+        micro_batches=1,
+        global_batch=8,
+        group_size=4,
+        steps=10,
+        world_size=1,
+        overrides=[
+            "optim.optimizer=adam",
+            "optim.lr=1e-3",
+            "optim.warmup_ratio=0.2",
+            "optim.min_lr_ratio=0.1",
+        ],
+    )
+    hf = layout_check.tiny_qwen2(0)
+    state = hf.state_dict()
+    arch = ModelArch.from_hf_dict(hf.config.to_dict())
+    parallel.initialize()
+    try:
+        trainer = build_trainer(cfg, arch, lambda m: load_hf_weights(m, arch, state.__getitem__))
+        got = []
+        for _ in range(10):
+            trainer.scheduler.step(increment=1)
+            got.append(trainer.optimizer.param_groups[0]["lr"])
+    finally:
+        parallel.destroy()
+    peak, low, warm, total = 1e-3, 1e-4, 2, 10
+    want = []
+    for step in range(1, 11):
+        if step <= warm:
+            want.append(peak * step / warm)
+        else:
+            frac = (step - warm) / (total - warm)
+            want.append(low + (peak - low) * 0.5 * (math.cos(math.pi * frac) + 1))
+    return got, want
+
+
+def test_lr_schedule_is_warmup_then_cosine_to_the_minimum():
+    ((got, want),) = run_distributed(_lr_sequence, 1)
+    assert got == pytest.approx(want, rel=1e-9)

@@ -1,0 +1,149 @@
+"""Step time of cw_grpo against grpo on the tiny Qwen2, same layout, measured in one run.
+
+Two gloo processes (tp 1, pp 1, dp 2) build one trainer per loss from the same weights and
+alternate steps on the same seeded batches; the median step time of each is compared. Every
+torch.distributed collective of a step is counted with its payload, so the table shows exactly
+what the covariance statistics add.
+
+Target (issue "training step"): cw_grpo <= 1.05x the step time of grpo.
+
+Usage: python benchmarks/bench_train_step.py [--steps N]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class CollectiveCounter:
+    """Counts calls and bytes of torch.distributed collectives while active."""
+
+    NAMES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+    def __init__(self):
+        self.calls = {}
+        self.bytes = {}
+        self._saved = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            original = getattr(dist, name)
+            self._saved[name] = original
+
+            def wrapped(tensor, *args, _name=name, _orig=original, **kwargs):
+                self.calls[_name] = self.calls.get(_name, 0) + 1
+                self.bytes[_name] = (
+                    self.bytes.get(_name, 0) + tensor.numel() * tensor.element_size()
+                )
+                return _orig(tensor, *args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def worker(rank, world, port, steps, queue):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    from cwgrpo_megatron.convert.arch import ModelArch
+    from cwgrpo_megatron.data.batching import synthetic_batch
+    from cwgrpo_megatron.megatron import layout_check, parallel
+    from cwgrpo_megatron.megatron.model import load_hf_weights
+    from cwgrpo_megatron.megatron.train_step import build_trainer, train_step
+
+    hf = layout_check.tiny_qwen2(0)
+    state = hf.state_dict()
+    arch = ModelArch.from_hf_dict(hf.config.to_dict())
+    parallel.initialize(tp=1, pp=1)
+    trainers = {}
+    for loss in ("grpo", "cw_grpo"):
+        cfg = layout_check.layout_config(
+            tp=1,
+            pp=1,
+            micro_batches=2,
+            global_batch=32,
+            group_size=4,
+            steps=steps + 1,
+            world_size=world,
+            overrides=[f"algo.policy_loss={loss}", "optim.optimizer=adam", "optim.lr=1e-4"],
+        )
+        trainers[loss] = build_trainer(
+            cfg, arch, lambda m: load_hf_weights(m, arch, state.__getitem__)
+        )
+    times = {name: [] for name in trainers}
+    counts = {}
+    for step in range(steps + 1):
+        batch = synthetic_batch(prompts=8, group_size=4, seq_len=64, vocab_size=1000, seed=step)
+        for name, trainer in trainers.items():
+            dist.barrier()
+            with CollectiveCounter() as counter:
+                start = time.perf_counter()
+                train_step(trainer, batch)
+                elapsed = time.perf_counter() - start
+            if step > 0:  # the first step warms up
+                times[name].append(elapsed)
+            counts[name] = (counter.calls, counter.bytes)
+    if rank == 0:
+        queue.put({"times": {k: statistics.median(v) for k, v in times.items()}, "counts": counts})
+    parallel.destroy()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=worker, args=(r, 2, port, args.steps, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = queue.get()
+    for p in procs:
+        p.join()
+    t = result["times"]
+    print(
+        f"tiny Qwen2 (4 layers, hidden 64), 32 sequences x 64 tokens per step, tp1 pp1 dp2, "
+        f"median of {args.steps} steps"
+    )
+    print(f"{'loss':<8} {'step s':>8} {'x grpo':>7}   collectives per step (calls / bytes)")
+    for name in ("grpo", "cw_grpo"):
+        calls, nbytes = result["counts"][name]
+        desc = ", ".join(f"{k} {calls[k]} / {nbytes[k]}" for k in sorted(calls))
+        print(f"{name:<8} {t[name]:>8.4f} {t[name] / t['grpo']:>7.3f}   {desc}")
+    g_calls, g_bytes = result["counts"]["grpo"]
+    c_calls, c_bytes = result["counts"]["cw_grpo"]
+    added = {
+        k: (c_calls.get(k, 0) - g_calls.get(k, 0), c_bytes.get(k, 0) - g_bytes.get(k, 0))
+        for k in set(c_calls) | set(g_calls)
+    }
+    print(
+        "cw_grpo adds per step: "
+        + ", ".join(f"{k}: {c} calls, {b} bytes" for k, (c, b) in sorted(added.items()))
+    )
+    ratio = t["cw_grpo"] / t["grpo"]
+    print("target: cw_grpo <= 1.05x grpo:", "met" if ratio <= 1.05 else f"MISSED ({ratio:.3f}x)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
