@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_logprob.py
 	$(PY) benchmarks/bench_cw_overhead.py
 	$(PY) benchmarks/bench_convert.py
+	$(PY) benchmarks/bench_train_step.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
