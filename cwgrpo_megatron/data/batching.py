@@ -46,6 +46,10 @@ class TrainBatch:
         b, s = self.tokens.shape
         return torch.arange(s, device=self.tokens.device).unsqueeze(0).expand(b, s)
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        fields = dataclasses.fields(self)
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields})
+
     def select(self, rows: slice) -> TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
 

@@ -60,6 +60,14 @@ from cwgrpo_megatron.megatron.model import DTYPES, build_model
 log = logging.getLogger(__name__)
 
 
+def device() -> torch.device:
+    """Where this rank's model and batch live: its GPU under CUDA (NCCL needs device tensors),
+    else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @dataclass
 class Trainer:
     cfg: Config
@@ -213,7 +221,7 @@ def _forward_backward(trainer: Trainer, micro: list[_Micro]) -> list[dict]:
 
 def _grads_finite(trainer: Trainer) -> bool:
     """True when every gradient on every rank is finite (one MAX all-reduce of 1 scalar)."""
-    bad = torch.zeros((), dtype=torch.float32)
+    bad = torch.zeros((), dtype=torch.float32, device=device())
     for p in trainer.model.parameters():
         grad = getattr(p, "main_grad", None)
         if grad is not None and not torch.isfinite(grad).all():
@@ -236,6 +244,7 @@ def train_step(trainer: Trainer, rollout: TrainBatch) -> list[StepResult]:
     `rollout` is the whole rollout batch, identical on every rank.
     """
     cfg = trainer.cfg
+    rollout = rollout.to(device())
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     mini_batches = [m.shard(dp_rank, dp_size) for m in rollout.split(cfg.train.ppo_mini_batches)]
@@ -255,6 +264,7 @@ def train_step(trainer: Trainer, rollout: TrainBatch) -> list[StepResult]:
 def _update(trainer, local, micro, old_logp, stat_logp, ref_logp) -> StepResult:
     cfg = trainer.cfg
     last = parallel_state.is_pipeline_last_stage()
+    dev = device()
     token_stat, prepared_metrics = None, {}
     if last:
         scope = make_scope(
@@ -262,7 +272,8 @@ def _update(trainer, local, micro, old_logp, stat_logp, ref_logp) -> StepResult:
             batch_size=local.rows,
             group=parallel_state.get_data_parallel_group(),
             prompt_index=local.prompt_index,
-            micro_batch_index=torch.arange(local.rows) // cfg.train.micro_batch_size,
+            micro_batch_index=torch.arange(local.rows, device=dev) // cfg.train.micro_batch_size,
+            device=dev,
         )
         generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + trainer.step)
         prepared = get_policy_loss(cfg.algo.policy_loss).prepare(
@@ -308,7 +319,7 @@ def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool):
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     src = parallel_state.get_pipeline_model_parallel_last_rank()
     names: list[str] = []
-    values = torch.zeros(0, dtype=torch.float64)
+    values = torch.zeros(0, dtype=torch.float64, device=device())
     if last:
         dp_group = parallel_state.get_data_parallel_group()
         merged: Metrics = dict(prepared)
@@ -325,9 +336,9 @@ def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool):
         names = sorted(final)
         values = torch.stack([totals[0] / totals[1].clamp(min=1)] + [final[n] for n in names])
     # every stage learns the loss; the metric names stay on the last stage, which logs them
-    count = broadcast_from(torch.tensor(float(len(names) + 1)), src, pp_group)
+    count = broadcast_from(torch.tensor(float(len(names) + 1), device=device()), src, pp_group)
     if not last:
-        values = torch.zeros(int(count), dtype=torch.float64)
+        values = torch.zeros(int(count), dtype=torch.float64, device=device())
     values = broadcast_from(values.to(torch.float64), src, pp_group)
     metrics = dict(zip(names, values[1:].tolist(), strict=True)) if last else {}
     return float(values[0]), metrics
@@ -339,7 +350,7 @@ def param_checksum(model) -> float:
     stage's copy of the embedding when pp > 1) not at all; summed over all ranks."""
     gpt = getattr(model, "module", model)
     tied = getattr(gpt, "share_embeddings_and_output_weights", False)
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device())
     if parallel_state.get_data_parallel_rank() == 0:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         for name, p in gpt.named_parameters():
