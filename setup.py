@@ -21,6 +21,8 @@ setup(
         "pyyaml",
         "numpy",
         "tqdm",
+        # answer verification for the accuracy reward (the extra pins its LaTeX parser)
+        "math-verify[antlr4_13_2]>=0.9,<0.10",
     ],
     extras_require={
         "dev": ["pytest", "hypothesis", "ruff"],

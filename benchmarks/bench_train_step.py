@@ -59,16 +59,10 @@ def worker(rank, world, port, steps, queue):
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    from cwgrpo_megatron.convert.arch import ModelArch
     from cwgrpo_megatron.data.batching import synthetic_batch
     from cwgrpo_megatron.megatron import layout_check, parallel
-    from cwgrpo_megatron.megatron.model import load_hf_weights
-    from cwgrpo_megatron.megatron.train_step import build_trainer, train_step
+    from cwgrpo_megatron.megatron.train_step import train_step
 
-    hf = layout_check.tiny_qwen2(0)
-    state = hf.state_dict()
-    arch = ModelArch.from_hf_dict(hf.config.to_dict())
-    parallel.initialize(tp=1, pp=1)
     trainers = {}
     for loss in ("grpo", "cw_grpo"):
         cfg = layout_check.layout_config(
@@ -81,9 +75,7 @@ def worker(rank, world, port, steps, queue):
             world_size=world,
             overrides=[f"algo.policy_loss={loss}", "optim.optimizer=adam", "optim.lr=1e-4"],
         )
-        trainers[loss] = build_trainer(
-            cfg, arch, lambda m: load_hf_weights(m, arch, state.__getitem__)
-        )
+        trainers[loss], _ = layout_check.tiny_trainer(cfg, init_parallel=not trainers)
     times = {name: [] for name in trainers}
     counts = {}
     for step in range(steps + 1):

@@ -40,6 +40,31 @@ def tiny_qwen2(seed: int):
     return Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2))
 
 
+def tiny_trainer(
+    cfg: Config, *, seed: int = 0, hf_dir: str | None = None, init_parallel: bool = True
+):
+    """(trainer, arch) at cfg's layout, weights from `hf_dir` or the tiny random Qwen2.
+
+    Sets up Megatron's groups unless `init_parallel` is False (a second trainer in the same
+    groups); call `parallel.destroy()` when done."""
+    if hf_dir:
+        from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
+
+        arch, get = ModelArch.from_hf_dir(hf_dir), HFCheckpoint(hf_dir).get
+    else:
+        hf = tiny_qwen2(seed)
+        state = hf.state_dict()
+        arch, get = ModelArch.from_hf_dict(hf.config.to_dict()), state.__getitem__
+    if not init_parallel:
+        return build_trainer(cfg, arch, lambda model: load_hf_weights(model, arch, get)), arch
+    parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
+    try:
+        return build_trainer(cfg, arch, lambda model: load_hf_weights(model, arch, get)), arch
+    except BaseException:
+        parallel.destroy()
+        raise
+
+
 def layout_config(
     *,
     tp: int,
@@ -118,17 +143,8 @@ def run(
         mini_batches=mini_batches,
         overrides=overrides,
     )
-    if hf_dir:
-        from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
-
-        arch, get = ModelArch.from_hf_dir(hf_dir), HFCheckpoint(hf_dir).get
-    else:
-        hf = tiny_qwen2(seed)
-        state = hf.state_dict()
-        arch, get = ModelArch.from_hf_dict(hf.config.to_dict()), state.__getitem__
-    parallel.initialize(tp=tp, pp=pp, seed=cfg.train.seed)
+    trainer, arch = tiny_trainer(cfg, seed=seed, hf_dir=hf_dir)
     try:
-        trainer = build_trainer(cfg, arch, lambda model: load_hf_weights(model, arch, get))
         initial = param_checksum(trainer.model)
         losses, norms, skipped = [], [], []
         for step in range(steps):

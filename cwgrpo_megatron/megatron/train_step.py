@@ -220,13 +220,14 @@ def _forward_backward(trainer: Trainer, micro: list[_Micro]) -> list[dict]:
 
 
 def _grads_finite(trainer: Trainer) -> bool:
-    """True when every gradient on every rank is finite (one MAX all-reduce of 1 scalar)."""
+    """True when every gradient on every rank is finite: device-side checks, one MAX
+    all-reduce of 1 scalar, one host sync."""
+    grads = [
+        p.main_grad for p in trainer.model.parameters() if getattr(p, "main_grad", None) is not None
+    ]
     bad = torch.zeros((), dtype=torch.float32, device=device())
-    for p in trainer.model.parameters():
-        grad = getattr(p, "main_grad", None)
-        if grad is not None and not torch.isfinite(grad).all():
-            bad.fill_(1.0)
-            break
+    if grads:
+        bad = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).float()
     return bool(max_over(bad, dist.group.WORLD) == 0)
 
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-BASE = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-)
+from cwgrpo_megatron.megatron.layout_check import TINY_QWEN2
+
+# the architecture of the layout check's tiny Qwen2, with vocab / tying / class set per case
+BASE = {
+    k: v
+    for k, v in TINY_QWEN2.items()
+    if k not in ("vocab_size", "tie_word_embeddings", "architectures")
+}
 
 # name -> (config class, model class, overrides)
 CONFIGS = {

@@ -21,12 +21,10 @@ def main() -> None:
 
     import torch
 
-    from cwgrpo_megatron.convert.arch import ModelArch
     from cwgrpo_megatron.data.batching import synthetic_batch
     from cwgrpo_megatron.megatron import layout_check, parallel, train_checkpoint
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
-    from cwgrpo_megatron.megatron.model import load_hf_weights
-    from cwgrpo_megatron.megatron.train_step import build_trainer, train_step
+    from cwgrpo_megatron.megatron.train_step import train_step
 
     torch.set_num_threads(1)
     init_distributed()
@@ -40,11 +38,7 @@ def main() -> None:
         world_size=1,
         overrides=["optim.optimizer=adam", "optim.lr=1e-3"],
     )
-    hf = layout_check.tiny_qwen2(0)
-    state = hf.state_dict()
-    arch = ModelArch.from_hf_dict(hf.config.to_dict())
-    parallel.initialize(tp=1, pp=1, seed=cfg.train.seed)
-    trainer = build_trainer(cfg, arch, lambda m: load_hf_weights(m, arch, state.__getitem__))
+    trainer, _ = layout_check.tiny_trainer(cfg)
     start = 0
     if resume:
         start = train_checkpoint.load(trainer, train_checkpoint.latest(root))["next_batch"]

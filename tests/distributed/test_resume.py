@@ -62,11 +62,9 @@ def test_sigkill_during_save_then_resume_is_bit_identical(tmp_path):
 
 
 def _train(rank, world, root, tp, steps, resume, dist_opt, save):
-    from cwgrpo_megatron.convert.arch import ModelArch
     from cwgrpo_megatron.data.batching import synthetic_batch
     from cwgrpo_megatron.megatron import layout_check, parallel, train_checkpoint
-    from cwgrpo_megatron.megatron.model import load_hf_weights
-    from cwgrpo_megatron.megatron.train_step import build_trainer, param_checksum, train_step
+    from cwgrpo_megatron.megatron.train_step import param_checksum, train_step
 
     cfg = layout_check.layout_config(
         tp=tp,
@@ -82,12 +80,8 @@ def _train(rank, world, root, tp, steps, resume, dist_opt, save):
             f"optim.use_distributed_optimizer={dist_opt}",
         ],
     )
-    hf = layout_check.tiny_qwen2(0)
-    state = hf.state_dict()
-    arch = ModelArch.from_hf_dict(hf.config.to_dict())
-    parallel.initialize(tp=tp, pp=1, seed=cfg.train.seed)
+    trainer, _ = layout_check.tiny_trainer(cfg)
     try:
-        trainer = build_trainer(cfg, arch, lambda m: load_hf_weights(m, arch, state.__getitem__))
         start, loaded_checksum = 0, None
         if resume:
             try:

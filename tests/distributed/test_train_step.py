@@ -200,10 +200,7 @@ def test_non_finite_gradient_skips_the_step():
 def _lr_sequence(rank, world):
     import math
 
-    from cwgrpo_megatron.convert.arch import ModelArch
     from cwgrpo_megatron.megatron import layout_check, parallel
-    from cwgrpo_megatron.megatron.model import load_hf_weights
-    from cwgrpo_megatron.megatron.train_step import build_trainer
 
     cfg = layout_check.layout_config(
         tp=1,
@@ -220,12 +217,8 @@ def _lr_sequence(rank, world):
             "optim.min_lr_ratio=0.1",
         ],
     )
-    hf = layout_check.tiny_qwen2(0)
-    state = hf.state_dict()
-    arch = ModelArch.from_hf_dict(hf.config.to_dict())
-    parallel.initialize()
+    trainer, _ = layout_check.tiny_trainer(cfg)
     try:
-        trainer = build_trainer(cfg, arch, lambda m: load_hf_weights(m, arch, state.__getitem__))
         got = []
         for _ in range(10):
             trainer.scheduler.step(increment=1)
