@@ -21,8 +21,8 @@ import os
 from collections.abc import Sequence
 
 from cwgrpo_megatron.registry import Registry
-from cwgrpo_megatron.reward.math import VerifyStats, verify_one
 from cwgrpo_megatron.reward.pool import TimeoutPool
+from cwgrpo_megatron.reward.verify import VerifyStats, verify_one
 
 REWARDS: Registry[type] = Registry("reward")
 register_reward = REWARDS.register
@@ -38,8 +38,22 @@ def _check_lengths(completions: Sequence[str], answers: Sequence[str]) -> None:
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
 
 
+class Reward:
+    """Base: `reward(completions=..., answers=..., **extra) -> list[float]`; `close()` frees
+    worker processes (also via `with`)."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @register_reward("accuracy")
-class AccuracyReward:
+class AccuracyReward(Reward):
     """math-verify on `workers` processes, each task limited to `timeout_s` seconds."""
 
     def __init__(self, *, workers: int | None = None, timeout_s: float = 5.0) -> None:
@@ -77,30 +91,21 @@ class AccuracyReward:
             self._pool.close()
             self._pool = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 THINK_BLOCK_END = "\n</think>\n"
 
 
 @register_reward("format")
-class FormatReward:
+class FormatReward(Reward):
     """Open-RS's format check: the reasoning closes exactly once with "\\n</think>\\n"."""
 
     def __call__(self, *, completions: Sequence[str], answers: Sequence[str], **_) -> list[float]:
         _check_lengths(completions, answers)
         return [1.0 if c.count(THINK_BLOCK_END) == 1 else 0.0 for c in completions]
 
-    def close(self) -> None:
-        pass
-
 
 @register_reward("cosine_length")
-class CosineLengthReward:
+class CosineLengthReward(Reward):
     """Open-RS's cosine-scaled reward: with L = min(length, max_len) tokens and
     c = cos(pi L / max_len),
 
@@ -152,7 +157,7 @@ class CosineLengthReward:
         self.accuracy.close()
 
 
-class WeightedReward:
+class WeightedReward(Reward):
     """sum_k weight_k * reward_k, for a {name: weight} mapping."""
 
     def __init__(self, weights: dict[str, float], **options) -> None:
@@ -179,4 +184,4 @@ class WeightedReward:
             reward.close()
 
 
-__all__ = ["REWARDS", "WeightedReward", "get_reward", "register_reward"]
+__all__ = ["REWARDS", "Reward", "WeightedReward", "get_reward", "register_reward"]

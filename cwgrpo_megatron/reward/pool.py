@@ -72,6 +72,7 @@ class TimeoutPool:
         self._ctx = mp.get_context("spawn")
         self._workers = [_Worker(self._ctx, fn) for _ in range(workers)]
         self.stats = PoolStats()
+        self._failures_in_a_row = 0
 
     def map(self, tasks: Sequence[tuple]) -> list:
         results = [self.default] * len(tasks)
@@ -94,6 +95,7 @@ class TimeoutPool:
                     continue
                 worker.task = None
                 self.stats.done += 1
+                self._failures_in_a_row = 0
                 if status == "ok":
                     results[index] = value
                 else:
@@ -121,6 +123,14 @@ class TimeoutPool:
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row > 2 * len(self._workers) + 2:
+            self.close()
+            raise RuntimeError(
+                "verification workers keep dying before finishing any task: a worker cannot "
+                "start (is the main module guarded by `if __name__ == '__main__':`?) or every "
+                "task crashes it"
+            )
         fresh = _Worker(self._ctx, self.fn)
         self._workers[self._workers.index(worker)] = fresh
         self.stats.restarts += 1
