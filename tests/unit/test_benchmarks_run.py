@@ -9,14 +9,27 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["bench_logprob.py", "bench_cw_overhead.py"])
-def test_benchmark_runs_quick(script):
+SMOKE = {
+    "bench_logprob.py": ["--quick", "--repeats", "1"],
+    "bench_cw_overhead.py": ["--quick", "--repeats", "1"],
+    "bench_convert.py": ["--quick"],
+    "bench_train_step.py": ["--steps", "1"],
+    "bench_reward.py": ["--pairs", "40", "--warm", "4"],
+}
+
+
+def test_every_benchmark_has_a_smoke_run():
+    assert sorted(SMOKE) == sorted(p.name for p in BENCH.glob("bench_*.py"))
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_benchmark_runs_small(script):
     done = subprocess.run(
-        [sys.executable, str(BENCH / script), "--quick", "--repeats", "1"],
+        [sys.executable, str(BENCH / script), *SMOKE[script]],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
     assert "target" in done.stdout
