@@ -25,7 +25,8 @@ setup(
         "math-verify[antlr4_13_2]>=0.9,<0.10",
     ],
     extras_require={
-        "dev": ["pytest", "hypothesis", "ruff"],
+        # pyarrow: Parquet prompt files (also needed by users who load Parquet)
+        "dev": ["pytest", "hypothesis", "ruff", "pyarrow"],
         "vllm": ["vllm"],
         "gpu": ["transformer-engine[pytorch]"],
     },

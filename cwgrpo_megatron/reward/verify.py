@@ -61,3 +61,11 @@ class VerifyStats:
     parse_error: int = 0
     timeouts: int = 0
     errors: int = 0
+
+
+def gold_parses(answer: str) -> bool:
+    """Whether math-verify can parse `\\boxed{answer}` (a dataset's gold answer is usable)."""
+    from math_verify import parse
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return bool(parse(f"\\boxed{{{answer}}}", parsing_timeout=None))
