@@ -239,3 +239,16 @@ def _lr_sequence(rank, world):
 def test_lr_schedule_is_warmup_then_cosine_to_the_minimum():
     ((got, want),) = run_distributed(_lr_sequence, 1)
     assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_gradient_clipping_bounds_the_update():
+    # SGD with lr 1: the parameter change is the (clipped) gradient, so clipping at a tenth of
+    # the gradient norm must shrink the first update tenfold; grad_norm reports the norm before
+    # clipping in both runs.
+    free = layout("tp2-dp2-mb1", overrides=["optim.lr=1.0"])
+    norm = free["grad_norm"][0]
+    clipped = layout("tp2-dp2-mb1", overrides=["optim.lr=1.0", f"optim.clip_grad={norm / 10}"])
+    assert clipped["grad_norm"][0] == pytest.approx(norm, rel=1e-6)
+    moved_free = abs(free["param_checksum"] - free["initial_checksum"])
+    moved_clipped = abs(clipped["param_checksum"] - clipped["initial_checksum"])
+    assert moved_clipped < 0.5 * moved_free
