@@ -21,7 +21,8 @@ constant that (c^2 - s) / (2 sigma^2) > ~745 on every token of a pool is sum w s
 pool then falls back to w~ = 1, the sigma == 0 rule, instead of 0/0.
 
 Precision: per-token values are computed in the inputs' precision (at least fp32); every sum
-is accumulated in float64.
+is accumulated in float64. The statistics need c^2 to be representable: with fp64 inputs,
+|c| above ~1e-150 (GRPO's log-probs and advantages are 0 or far larger).
 """
 
 from typing import NamedTuple
