@@ -24,6 +24,7 @@ from cwgrpo_megatron.algo.aggregation import LOSS_AGGREGATIONS
 from cwgrpo_megatron.algo.kl import KL_ESTIMATORS
 from cwgrpo_megatron.algo.losses import POLICY_LOSSES
 from cwgrpo_megatron.algo.scope import SCOPE_NAMES
+from cwgrpo_megatron.reward import REWARDS
 
 
 def _check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
@@ -199,6 +200,43 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class RewardConfig:
+    """The reward: a weighted sum of registered rewards."""
+
+    weights: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0, "format": 1.0})
+    """{reward name: weight}; e.g. {accuracy: 1.0, format: 1.0} or {format: 1.0,
+    cosine_length: 1.0} (Open-RS's two recipes)."""
+    timeout_s: float = 5.0
+    """Wall-clock limit of one answer verification; an overrun scores 0."""
+    workers: int = 0
+    """Verification processes; 0 means one per core."""
+    cosine_max_len: int = 1000
+    """cosine_length: the token length at which the reward reaches its extreme."""
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            raise ValueError("reward.weights is empty; name at least one reward")
+        for name, weight in self.weights.items():
+            _check_choice("reward.weights key", name, REWARDS.names())
+            if weight != weight or weight in (float("inf"), float("-inf")):
+                raise ValueError(f"reward.weights.{name}={weight} must be finite")
+        _check_range("reward.timeout_s", self.timeout_s, low=0.001)
+        _check_range("reward.workers", self.workers, low=0)
+        _check_range("reward.cosine_max_len", self.cosine_max_len, low=1)
+
+    def build(self):
+        """The WeightedReward these settings describe (holds worker processes: close it)."""
+        from cwgrpo_megatron.reward import WeightedReward
+
+        pool = {"workers": self.workers or None, "timeout_s": self.timeout_s}
+        options = {
+            "accuracy": pool,
+            "cosine_length": {**pool, "max_len": self.cosine_max_len},
+        }
+        return WeightedReward(dict(self.weights), **options)
+
+
+@dataclass(kw_only=True, frozen=True)
 class Config:
     """A whole run. Later sections (model, rollout, data) join these."""
 
@@ -210,6 +248,8 @@ class Config:
     """Optimizer and schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The training step."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward."""
 
     def check_world(self, world_size: int) -> int:
         """The data-parallel size for `world_size` ranks; ValueError when the batch cannot
@@ -306,6 +346,14 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if value is None and type(None) in options:
             return None
         (hint,) = [t for t in options if t is not type(None)]
+    if typing.get_origin(hint) is dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key}={value!r} must be a mapping such as {{name: 1.0}}")
+        key_type, value_type = typing.get_args(hint)
+        return {
+            _coerce(f"{key} key", k, key_type): _coerce(f"{key}.{k}", v, value_type)
+            for k, v in value.items()
+        }
     if hint is bool and isinstance(value, bool):
         return value
     if hint is int and isinstance(value, int) and not isinstance(value, bool):

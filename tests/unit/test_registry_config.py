@@ -86,3 +86,23 @@ def test_every_shipped_config_loads():
     assert configs, "configs/ holds no YAML files"
     for path in configs:
         load_config(path)
+
+
+def test_reward_weights_are_a_typed_mapping():
+    cfg = load_config(overrides=["reward.weights={format: 2, cosine_length: 0.5}"])
+    assert cfg.reward.weights == {"format": 2.0, "cosine_length": 0.5}
+    assert load_config().reward.weights == {"accuracy": 1.0, "format": 1.0}
+    with pytest.raises(ValueError, match="reward.weights key='length' is not allowed; choose"):
+        load_config(overrides=["reward.weights={length: 1.0}"])
+    with pytest.raises(ValueError, match="must be a mapping"):
+        load_config(overrides=["reward.weights=1.0"])
+    with pytest.raises(ValueError, match=r"reward.weights.format='x' has the wrong type"):
+        load_config(overrides=["reward.weights={format: x}"])
+    with pytest.raises(ValueError, match="reward.weights is empty"):
+        load_config(overrides=["reward.weights={}"])
+
+
+def test_reward_config_builds_the_weighted_sum():
+    cfg = load_config(overrides=["reward.weights={format: 2.0}"]).reward
+    with cfg.build() as reward:
+        assert reward(completions=["a\n</think>\nb", "a"], answers=["", ""]) == [2.0, 0.0]
