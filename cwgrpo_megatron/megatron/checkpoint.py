@@ -66,32 +66,54 @@ class AtomicDir:
     def __enter__(self) -> Path:
         if self.final.exists() and any(self.final.iterdir()) and not self.overwrite:
             raise ValueError(f"{self.final} already exists and is not empty; choose a new path")
-        if _rank() == 0:
+        if rank() == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         return self.tmp
 
     def commit(self) -> None:
-        _barrier()
-        if _rank() == 0:
+        barrier()
+        if rank() == 0:
             if self.final.exists():
                 shutil.rmtree(self.final)
             os.replace(self.tmp, self.final)
-        _barrier()
+        barrier()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and _rank() == 0:
+        if exc_type is not None and rank() == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _rank() -> int:
+def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def save_dist(sharded_state: dict, path: Path) -> None:
+    """`dist_checkpointing.save` into the new folder `path` (collective; rank 0 creates it)."""
+    if rank() == 0:
+        path.mkdir()
+    barrier()
+    with on_cpu():
+        dist_checkpointing.save(sharded_state, str(path))
+
+
+def load_dist(sharded_state: dict, path: Path) -> dict:
+    """`dist_checkpointing.load` from `path`, any failure as a ValueError naming the folder."""
+    try:
+        with on_cpu():
+            return dist_checkpointing.load(sharded_state, str(path))
+    # megatron raises several types for unreadable or mismatched files; torch's
+    # CheckpointException derives from BaseException, not Exception
+    except (Exception, CheckpointException) as err:
+        raise ValueError(
+            f"cannot load the dist checkpoint in {path}: {type(err).__name__}: {err}"
+        ) from err
 
 
 def save_model(
@@ -106,13 +128,8 @@ def save_model(
     """Save this rank's stage into the dist checkpoint `ckpt_dir` (collective over all ranks)."""
     atomic = AtomicDir(ckpt_dir, overwrite=overwrite)
     with atomic as tmp:
-        model_dir = tmp / MODEL_DIR
-        if _rank() == 0:
-            model_dir.mkdir()
-        _barrier()
-        with on_cpu():
-            dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
-        if _rank() == 0:
+        save_dist(model.sharded_state_dict(), tmp / MODEL_DIR)
+        if rank() == 0:
             meta = {
                 "format_version": FORMAT_VERSION,
                 "arch": arch.to_dict(),
@@ -158,14 +175,5 @@ def load_model(model: GPTModel, arch: ModelArch, ckpt_dir: str | os.PathLike) ->
         raise ValueError(
             f"checkpoint {ckpt_dir} was saved for another architecture; (saved, requested): {diff}"
         )
-    model_dir = Path(ckpt_dir) / MODEL_DIR
-    try:
-        with on_cpu():
-            state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir))
-    # megatron raises several types for unreadable or mismatched files; torch's
-    # CheckpointException derives from BaseException, not Exception
-    except (Exception, CheckpointException) as err:
-        raise ValueError(
-            f"cannot load the dist checkpoint in {model_dir}: {type(err).__name__}: {err}"
-        ) from err
+    state = load_dist(model.sharded_state_dict(), Path(ckpt_dir) / MODEL_DIR)
     model.load_state_dict(state, strict=True)

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for single-host process groups)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -32,7 +33,7 @@ def init_distributed(*, timeout_s: int = 1800) -> None:
         return
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
         rank=0,
         world_size=1,
         timeout=timeout,

@@ -55,13 +55,13 @@ def tiny_trainer(
         hf = tiny_qwen2(seed)
         state = hf.state_dict()
         arch, get = ModelArch.from_hf_dict(hf.config.to_dict()), state.__getitem__
-    if not init_parallel:
-        return build_trainer(cfg, arch, lambda model: load_hf_weights(model, arch, get)), arch
-    parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
+    if init_parallel:
+        parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
     try:
         return build_trainer(cfg, arch, lambda model: load_hf_weights(model, arch, get)), arch
     except BaseException:
-        parallel.destroy()
+        if init_parallel:
+            parallel.destroy()
         raise
 
 

