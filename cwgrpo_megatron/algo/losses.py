@@ -10,7 +10,9 @@ Every loss works in two phases:
    in Megatron's `calculate_per_token_loss` form: the trainer divides the global sum of
    `loss_sum` by the global sum of `num_tokens` (see `aggregation.py`).
 
-Per-token surrogate (DESIGN section 1), rho = exp(l - l_old):
+Per-token surrogate (DESIGN section 1), rho = exp(l - l_old); with `tis_cap` set, the surrogate
+(not the KL term) is multiplied by the truncated importance weight min(exp(l_old - l_rollout), C)
+of `rollout_correction.py`:
 
     grpo      x = -min(rho A,  clip(rho, 1-eps_low, 1+eps_high) A)  + beta KL
     cw_grpo   x = -min(rho A^, clip(rho, 1-eps_low, 1+eps_high) A^) + beta KL,   A^ = w~ A
@@ -37,6 +39,7 @@ from cwgrpo_megatron.algo.metrics import (
     mean_metric,
     weight_metrics,
 )
+from cwgrpo_megatron.algo.rollout_correction import rollout_gap_metrics, truncated_is_weight
 from cwgrpo_megatron.algo.scope import Scope
 from cwgrpo_megatron.registry import Registry
 
@@ -62,6 +65,9 @@ class PolicyBatch:
     """Reference-policy log-probs, needed when kl_beta > 0."""
     entropy: Tensor | None = None
     """Per-token entropy, only for metrics."""
+    rollout_logp: Tensor | None = None
+    """The engine's sampling log-probs; enables the gap metrics and, with `cfg.tis_cap`, the
+    truncated importance weight."""
 
 
 class LossOutput(NamedTuple):
@@ -99,6 +105,16 @@ class PolicyLoss:
     def __call__(self, batch: PolicyBatch, cfg: AlgoConfig) -> LossOutput:
         per_token, ratio, metrics = self.token_loss(batch, cfg)
         count = batch.mask.to(torch.float64).sum()
+        if batch.rollout_logp is not None:
+            metrics.update(
+                rollout_gap_metrics(batch.old_logp, batch.rollout_logp, batch.mask, count)
+            )
+            if cfg.tis_cap is not None:
+                tis = truncated_is_weight(batch.old_logp, batch.rollout_logp, cfg.tis_cap)
+                per_token = per_token * tis
+                metrics["tis_weight_mean"] = mean_metric(tis, batch.mask, count)
+        elif cfg.tis_cap is not None:
+            raise ValueError("algo.tis_cap is set but the batch has no rollout log-probs")
         if cfg.kl_beta > 0:
             if batch.ref_logp is None:
                 raise ValueError("kl_beta > 0 needs ref_logp from the reference policy")

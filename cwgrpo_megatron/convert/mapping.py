@@ -138,6 +138,37 @@ def hf_names(arch: ModelArch) -> list[str]:
     return names
 
 
+def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """The shape of every HF tensor of the model (what a weight update must deliver)."""
+    h, hd, ffn, vocab = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size, arch.vocab_size
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    per_layer = {
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (ffn, h),
+        "mlp.up_proj.weight": (ffn, h),
+        "mlp.down_proj.weight": (h, ffn),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
+    if arch.qkv_bias:
+        per_layer.update(
+            {
+                "self_attn.q_proj.bias": (q,),
+                "self_attn.k_proj.bias": (kv,),
+                "self_attn.v_proj.bias": (kv,),
+            }
+        )
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    for layer in range(arch.num_layers):
+        shapes.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
+    if not arch.tie_embeddings:
+        shapes["lm_head.weight"] = (vocab, h)
+    return shapes
+
+
 # ---- shapes: HF tensors -> one Megatron shard, and all shards -> HF tensors ----------------
 
 

@@ -32,8 +32,9 @@ class TrainBatch:
     """[b, s] float32, 1 where labels is a response token."""
     advantages: Tensor
     """[b, s] float32 per-token advantage A_i (zero outside the mask)."""
-    rollout_logp: Tensor
-    """[b, s] float32 sampling log-probs of the labels (zero outside the mask)."""
+    rollout_logp: Tensor | None
+    """[b, s] float32 sampling log-probs of the labels (zero outside the mask); None when the
+    rows were not sampled by a rollout engine (synthetic batches)."""
     prompt_index: Tensor
     """[b] int64 global prompt id of each row."""
 
@@ -46,12 +47,15 @@ class TrainBatch:
         b, s = self.tokens.shape
         return torch.arange(s, device=self.tokens.device).unsqueeze(0).expand(b, s)
 
+    def _map(self, fn) -> TrainBatch:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return TrainBatch(**{k: None if v is None else fn(v) for k, v in values.items()})
+
     def to(self, device: torch.device | str) -> TrainBatch:
-        fields = dataclasses.fields(self)
-        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields})
+        return self._map(lambda t: t.to(device))
 
     def select(self, rows: slice) -> TrainBatch:
-        return TrainBatch(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+        return self._map(lambda t: t[rows])
 
     def split(self, parts: int) -> list[TrainBatch]:
         """`parts` equal consecutive slices; each must hold whole prompt groups."""
@@ -95,8 +99,8 @@ def build_train_batch(
     """Rows for P prompts x G responses, GRPO advantages from `rewards [P, G]`.
 
     `responses[p][g]` are the sampled ids of response g of prompt p, `rollout_logps[p][g]` their
-    sampling log-probs (optional; zeros when absent). Rows are padded to `seq_len` (default: the
-    longest prompt + response).
+    sampling log-probs (optional; the batch's `rollout_logp` is None without them). Rows are
+    padded to `seq_len` (default: the longest prompt + response).
     """
     num_prompts, group = rewards.shape
     if len(prompts) != num_prompts or any(len(r) != group for r in responses):
@@ -122,13 +126,18 @@ def build_train_batch(
             # position t predicts token t + 1: response tokens are labels n_p - 1 ... n_p + n_r - 2
             mask[i, n_p - 1 : n_p + n_r - 1] = 1.0
             if rollout_logps is not None:
+                if len(rollout_logps[p][g]) != n_r:
+                    raise ValueError(
+                        f"response {g} of prompt {p} has {n_r} tokens but "
+                        f"{len(rollout_logps[p][g])} rollout log-probs"
+                    )
                 logp[i, n_p - 1 : n_p + n_r - 1] = torch.tensor(rollout_logps[p][g])
     return TrainBatch(
         tokens=tokens[:, :s].contiguous(),
         labels=tokens[:, 1 : s + 1].contiguous(),
         loss_mask=mask,
         advantages=broadcast_to_tokens(adv_rows, mask),
-        rollout_logp=logp,
+        rollout_logp=logp if rollout_logps is not None else None,
         prompt_index=prompt_index,
     )
 
@@ -155,4 +164,16 @@ def synthetic_batch(
     rewards = torch.randint(0, 2, (prompts, group_size), generator=gen).float()
     return build_train_batch(
         prompts=prompt_ids, responses=responses, rewards=rewards, seq_len=seq_len
+    )
+
+
+def batch_from_rollouts(groups, rewards: Tensor, **options) -> TrainBatch:
+    """The TrainBatch of rollout groups (`rollout.RolloutGroup`, G completions each) and their
+    rewards `[P, G]`; `options` go to `build_train_batch` (pad_id, seq_len, ...)."""
+    return build_train_batch(
+        prompts=[g.prompt_ids for g in groups],
+        responses=[[c.token_ids for c in g.completions] for g in groups],
+        rewards=rewards,
+        rollout_logps=[[c.logprobs for c in g.completions] for g in groups],
+        **options,
     )

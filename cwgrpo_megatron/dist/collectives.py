@@ -2,7 +2,7 @@
 
 Unlike torch.distributed, where group=None is the WORLD group, here None is a no-op, so the
 same code runs in one process and under torchrun. Every helper returns its result and never
-modifies its argument in place.
+modifies its argument in place, except `broadcast_into`, which fills a receive buffer.
 """
 
 import torch
@@ -43,3 +43,45 @@ def broadcast_from(t: Tensor, src: int, group: Group) -> Tensor:
     if group is not None and size_of(group) > 1:
         dist.broadcast(out, src=src, group=group)
     return out
+
+
+def broadcast_into(buffer: Tensor, src: int, group: Group) -> Tensor:
+    """`buffer` filled with global rank `src`'s tensor on every other rank of `group`, and
+    returned. The one in-place helper: streaming a model must not copy each tensor once more
+    (on `src` the tensor is only read)."""
+    if group is not None and size_of(group) > 1:
+        dist.broadcast(buffer, src=src, group=group)
+    return buffer
+
+
+def global_rank(group: Group, group_rank: int) -> int:
+    """The global rank of member `group_rank` of `group` (0 for the one-process group)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def all_gather(t: Tensor, group: Group) -> list[Tensor]:
+    """Every rank's `t` (same shape and dtype on all ranks), in group-rank order."""
+    if group is None or size_of(group) == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size_of(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def gather_objects(obj, dst: int, group: Group) -> list | None:
+    """Every rank's picklable `obj`, in group-rank order, on global rank `dst`; None elsewhere."""
+    if group is None or size_of(group) == 1:
+        return [obj]
+    out = [None] * size_of(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def scatter_objects(objs: list | None, src: int, group: Group):
+    """Member i of `group` receives `objs[i]`, which only global rank `src` needs to hold."""
+    if group is None or size_of(group) == 1:
+        assert objs is not None and len(objs) == 1
+        return objs[0]
+    out = [None]
+    dist.scatter_object_list(out, objs if dist.get_rank() == src else None, src=src, group=group)
+    return out[0]

@@ -191,6 +191,7 @@ def _loss_func(micro: _Micro, trainer: Trainer, output_tensor: torch.Tensor):
             token_stat=micro.token_stat,
             ref_logp=micro.ref_logp,
             entropy=entropy.detach(),
+            rollout_logp=b.rollout_logp,
         ),
         cfg.algo,
     )

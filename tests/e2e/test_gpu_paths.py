@@ -1,4 +1,5 @@
-"""GPU paths: the Transformer Engine layer spec reproduces HF logits. Skipped without CUDA."""
+"""GPU paths: the Transformer Engine layer spec reproduces HF logits; vLLM on GPU syncs, sleeps
+and generates. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -37,3 +38,28 @@ def _te_worker(rank, world, name):
 def test_transformer_engine_spec_matches_hf(name):
     (err,) = run_distributed(_te_worker, 1, name)
     assert err < 1e-3  # TE may use TF32 matmuls
+
+
+def _vllm_gpu_worker(rank, world, hf_dir):
+    from cwgrpo_megatron.megatron.sync_check import run_check, start_engine
+    from cwgrpo_megatron.rollout import SamplingConfig
+
+    torch.cuda.set_device(0)
+    engine = start_engine("vllm", hf_dir, dtype="float32", max_model_len=128, seed=0)
+    assert engine.sleep_mode, "sleep mode should be on with CUDA"
+    engine.sleep()  # frees KV cache and weights while the trainer runs
+    engine.wake()
+    report = run_check(hf_dir=hf_dir, backend="vllm", rounds=2, engine=engine)
+    groups = engine.generate([[5, 6, 7]], 2, SamplingConfig(max_tokens=4, seed=0))
+    engine.shutdown()
+    return report, [c.token_ids for g in groups for c in g.completions]
+
+
+def test_vllm_on_gpu_syncs_sleeps_and_generates(tmp_path):
+    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+
+    hf_dir = str(save_tiny_qwen2(tmp_path / "hf"))
+    report, samples = run_distributed(_vllm_gpu_worker, 1, hf_dir, timeout=600)[0]
+    assert max(report["max_abs"]) < 1e-3  # GPU kernels may use TF32
+    assert min(report["stale_max_abs"]) > 1e-2
+    assert len(samples) == 2 and all(len(s) >= 1 for s in samples)

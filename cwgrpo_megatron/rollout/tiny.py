@@ -1,0 +1,65 @@
+"""A tiny random Qwen2 checkpoint with a locally trained tokenizer, for tests, demos and
+benchmarks (nothing downloaded). vLLM's CPU attention needs a supported head size: hidden 128
+with 4 heads gives 32."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+TINY_ENGINE_QWEN2 = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    vocab_size=512,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    eos_token_id=0,
+    bos_token_id=0,
+)
+_CORPUS = [
+    "Let x be the answer. Then 3 + 4 = 7, so the answer is \\boxed{7}.",
+    "<think>\nWe add the numbers.\n</think>\nThe sum of 12 and 30 is \\boxed{42}.",
+    "Compute the area of a circle of radius 2: pi r^2 = 4 pi.",
+]
+
+
+def train_tokenizer(vocab_size: int = 400):
+    """A byte-level BPE tokenizer trained on a few math sentences; id 0 is <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+
+
+def save_tiny_qwen2(out: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
+    """Write a random Qwen2 (TINY_ENGINE_QWEN2 with `overrides`) and the tokenizer to `out`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out)
+    config = Qwen2Config(**{**TINY_ENGINE_QWEN2, **overrides}, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # random norms and biases, so that their sync is checked too
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    train_tokenizer().save_pretrained(out)
+    return out

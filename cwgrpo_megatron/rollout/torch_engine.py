@@ -1,0 +1,180 @@
+"""The `torch` rollout backend: plain-torch sampling with a KV cache on an HF transformers
+model, for machines without vLLM (and the benchmark's baseline).
+
+Prompts of different lengths are left-padded into one batch, each repeated n times, and decoded
+together, one token per forward pass through the model's KV cache. Per step:
+
+    z = logits / temperature -> keep the top-k, then the top-p set (others -inf)
+    token ~ softmax(z),   logprob = log_softmax(z)[token]
+
+so log-probs are those of the distribution sampled from, like vLLM's `processed_logprobs`.
+Sampling uses its own seeded generator: it never advances the trainer's RNG.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.convert.mapping import hf_shapes
+from cwgrpo_megatron.rollout.base import (
+    Completion,
+    RolloutGroup,
+    SamplingConfig,
+    check_requests,
+    check_sequences,
+    checked_weights,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def filter_logits(z: Tensor, *, top_k: int, top_p: float) -> Tensor:
+    """`z` [rows, V] with every token outside the top-k (k > 0), then outside the smallest set
+    of probability >= top_p, set to -inf. The most likely token is always kept."""
+    if top_k > 0 and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        long_prompt: str = "error",
+        device: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.arch = ModelArch.from_hf_dir(model_dir)
+        self.shapes = hf_shapes(self.arch)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = model.config.eos_token_id
+        self.eos = torch.tensor(
+            [] if eos is None else [eos] if isinstance(eos, int) else list(eos), device=self.device
+        )
+        self.pad = int(self.eos[0]) if len(self.eos) else 0
+        self.max_model_len = max_model_len
+        self.long_prompt = long_prompt
+        self.version = 0
+        self._seeds = random.Random(seed)
+
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> list[RolloutGroup]:
+        prompts, cut = check_requests(
+            prompt_token_ids,
+            n,
+            sampling,
+            max_model_len=self.max_model_len,
+            vocab_size=self.arch.vocab_size,
+            long_prompt=self.long_prompt,
+        )
+        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
+        rows = [p for p in prompts for _ in range(n)]
+        tokens, logps, lengths, stopped = self._sample(rows, sampling, seed)
+        groups = []
+        for i, (prompt, was_cut) in enumerate(zip(prompts, cut, strict=True)):
+            completions = []
+            for r in range(i * n, (i + 1) * n):
+                k = lengths[r]
+                completions.append(
+                    Completion(tokens[r][:k], logps[r][:k], "stop" if stopped[r] else "length")
+                )
+            groups.append(RolloutGroup(prompt, completions, self.version, was_cut))
+        return groups
+
+    @torch.no_grad()
+    def _sample(self, rows: list[list[int]], sampling: SamplingConfig, seed: int):
+        """(tokens, logps, lengths, stopped) per row, as Python lists."""
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        length = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        out_tokens, out_logps = [], []
+        past, step_ids, step_pos = None, ids, positions
+        for _ in range(sampling.max_tokens):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=past,
+                use_cache=True,
+            )
+            past = out.past_key_values
+            z = filter_logits(
+                out.logits[:, -1].float() / sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+            )
+            logp = torch.log_softmax(z, dim=-1)
+            token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            token = torch.where(done, self.pad, token)
+            out_tokens.append(token)
+            out_logps.append(logp.gather(-1, token[:, None]).squeeze(-1))
+            length += (~done).long()
+            done |= torch.isin(token, self.eos)
+            if bool(done.all()):
+                break
+            step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        tokens = torch.stack(out_tokens, 1).tolist()
+        logps = torch.stack(out_logps, 1).tolist()
+        return tokens, logps, length.tolist(), done.tolist()
+
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        check_sequences(sequences, max_model_len=self.max_model_len)
+        result = []
+        for seq in sequences:
+            ids = torch.tensor([list(seq)], device=self.device)
+            logp = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), -1)
+            result.append(logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
+        return result
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        staged = {}  # copy only once the whole update has been checked: never a mixed policy
+        for name, tensor in checked_weights(weights, self.shapes):
+            staged[name] = tensor.to(self.device, params[name].dtype, copy=True)
+        for name, tensor in staged.items():
+            params[name].copy_(tensor)
+        self.version += 1
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.model = None

@@ -1,0 +1,343 @@
+"""The `vllm` rollout backend: the real `vllm.LLM` engine, colocated with the trainer.
+
+Two ways to run it, chosen by `in_process` (default: in-process in a world of one process):
+
+- in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, starts in seconds): weights stream straight
+  into the worker's `reload_weights` from the exporter's iterator. Under torchrun this would
+  hang (vLLM calls `new_group` over every rank), so it is refused when world > 1.
+- engine processes (vLLM's default): tensors cannot pass through `collective_rpc`, so each
+  bucket is written as a safetensors file in shared memory (`shm_dir`) and the worker extension
+  `vllm_worker.WeightFileLoader` reads them. The whole model sits in shared memory during the
+  update, and the files are deleted right after it.
+
+After every update the prefix cache is reset: cached KV blocks were computed with the old
+weights (skipping it gave log-prob errors of about 10 on a 168-token prompt).
+
+In-process vLLM changes process state the trainer relies on; `_TrainerState` restores it around
+every engine call: the Python / numpy / torch RNG states (vLLM reseeds them, and sampling
+without a per-request seed would draw from torch's), `torch.set_num_threads` (replaced by a
+no-op) and the thread count, and the environment variables it overwrites.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import random
+import signal
+import tempfile
+import uuid
+import weakref
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+from torch import Tensor
+
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.convert.mapping import hf_shapes
+from cwgrpo_megatron.rollout.base import (
+    Completion,
+    RolloutGroup,
+    SamplingConfig,
+    check_requests,
+    check_sequences,
+    checked_weights,
+)
+from cwgrpo_megatron.weight_sync.export import buckets
+
+log = logging.getLogger(__name__)
+
+ENGINE_RECORDS = Path(tempfile.gettempdir()) / "cwgrpo-engines"
+"""One JSON file per trainer process that owns engine processes: {pid: create_time} of each.
+vLLM renames its processes (setproctitle), which wipes their visible environment, so they are
+recorded rather than searched for."""
+_RESTORED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
+
+
+class _TrainerState:
+    """Saves what in-process vLLM changes in the trainer's process, restores it on exit."""
+
+    def __enter__(self):
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        self.threads = torch.get_num_threads()
+        self.set_num_threads = torch.set_num_threads
+        self.env = {k: os.environ.get(k) for k in _RESTORED_ENV}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.set_rng_state(self.rng[2])
+        torch.set_num_threads = self.set_num_threads
+        torch._C.set_num_threads(self.threads)
+        for key, value in self.env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _stop_engine_processes(llm, record: Path) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    record.unlink(missing_ok=True)
+
+
+def _record_engine_processes() -> Path:
+    """Write this process's children (the engine processes just started) to its record."""
+    procs = {}
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            procs[child.pid] = child.create_time()
+    ENGINE_RECORDS.mkdir(exist_ok=True)
+    record = ENGINE_RECORDS / f"{os.getpid()}.json"
+    tmp = record.with_suffix(".tmp")
+    tmp.write_text(json.dumps(procs))
+    tmp.replace(record)
+    return record
+
+
+def kill_orphaned_engines() -> int:
+    """SIGKILL the engine processes recorded by trainers that are gone (a SIGKILLed trainer
+    leaves them running, about 1.5 GB each); returns how many were killed."""
+    killed = 0
+    for record in ENGINE_RECORDS.glob("*.json") if ENGINE_RECORDS.is_dir() else []:
+        if psutil.pid_exists(int(record.stem)):
+            continue
+        try:
+            procs = json.loads(record.read_text())
+        except (OSError, ValueError):
+            procs = {}
+        for pid, created in procs.items():
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(int(pid))
+                if abs(proc.create_time() - created) < 1e-3:  # not a reused pid
+                    log.warning(
+                        "killing engine process %s left by dead trainer %s", pid, record.stem
+                    )
+                    proc.send_signal(signal.SIGKILL)
+                    killed += 1
+        record.unlink(missing_ok=True)
+    return killed
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        long_prompt: str = "error",
+        in_process: bool | None = None,
+        tensor_parallel_size: int = 1,
+        kv_cache_bytes: int | None = 256 << 20,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = False,
+        enforce_eager: bool = True,
+        bucket_bytes: int = 256 << 20,
+        shm_dir: str = "/dev/shm",
+    ) -> None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.in_process = (world == 1) if in_process is None else in_process
+        if self.in_process and world > 1:
+            raise ValueError(
+                f"an in-process vLLM engine hangs in a world of {world} processes (vLLM builds "
+                "groups over every rank); use in_process=False (engine processes)"
+            )
+        self.model_dir = str(model_dir)
+        self.arch = ModelArch.from_hf_dir(model_dir)
+        self.shapes = hf_shapes(self.arch)
+        self.max_model_len = max_model_len
+        self.long_prompt = long_prompt
+        self.bucket_bytes = bucket_bytes
+        self.shm_dir = shm_dir
+        self.version = 0
+        self._seeds = random.Random(seed)
+        self._engine_args = dict(
+            model=self.model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=True,
+            # log-probs of the distribution sampled from: after temperature and top-k / top-p
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=enable_sleep_mode and torch.cuda.is_available(),
+            worker_extension_cls="cwgrpo_megatron.rollout.vllm_worker.WeightFileLoader",
+        )
+        if torch.cuda.is_available():
+            self._engine_args["gpu_memory_utilization"] = gpu_memory_utilization
+        elif kv_cache_bytes is not None:
+            self._engine_args["kv_cache_memory_bytes"] = kv_cache_bytes
+        self.sleep_mode = self._engine_args["enable_sleep_mode"]
+        self._finalizer = None
+        if enable_sleep_mode and not self.sleep_mode:
+            log.info("vLLM sleep mode is not supported on CPU: sleep() and wake() do nothing")
+        self.llm = self._start()
+
+    # ---- life cycle ------------------------------------------------------------------------
+
+    def _start(self):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # skips a 2-17 s compile of a helper
+        if not self.in_process:
+            kill_orphaned_engines()
+        from vllm import LLM
+
+        with _TrainerState():
+            llm = LLM(**self._engine_args)
+        if not self.in_process:  # stop engine processes at exit even if the run fails
+            record = _record_engine_processes()
+            self._finalizer = weakref.finalize(self, _stop_engine_processes, llm, record)
+        return llm
+
+    def _recover(self) -> None:
+        """A failed reload leaves the engine unusable. In-process, reload the original weights
+        from `model_dir` (a second in-process engine would clash with the first one's global
+        groups); with engine processes, restart them. Either way the engine is back at
+        version 0: the caller must push the trainer's weights again."""
+        log.error("weight update failed: restoring the vLLM engine from %s", self.model_dir)
+        self.version = 0
+        if self.in_process:
+            with _TrainerState():
+                self.llm.collective_rpc("reload_weights")
+            self.llm.reset_prefix_cache()
+            return
+        self.shutdown()
+        self.llm = self._start()
+
+    def shutdown(self) -> None:
+        """Stop the engine. In-process, vLLM's teardown also destroys torch.distributed's
+        default process group (it assumes it created it): call this after the trainer is done
+        with its collectives and Megatron's groups (`parallel.destroy()`)."""
+        if self.llm is None:
+            return
+        if self._finalizer is not None:
+            self._finalizer()
+        else:
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm, self._finalizer = None, None
+        gc.collect()
+
+    def sleep(self) -> None:
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        if self.sleep_mode:
+            self.llm.wake_up()
+
+    # ---- sampling --------------------------------------------------------------------------
+
+    def _params(self, n: int, sampling: SamplingConfig, count: int):
+        from vllm import SamplingParams
+
+        base = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
+        return [
+            SamplingParams(
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                max_tokens=sampling.max_tokens,
+                logprobs=0,
+                # vLLM seeds the n samples of a request seed, seed + 1, ...: space requests by n;
+                # a seed per request also keeps sampling off the trainer's torch RNG
+                seed=base + i * n,
+                detokenize=False,
+            )
+            for i in range(count)
+        ]
+
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> list[RolloutGroup]:
+        prompts, cut = check_requests(
+            prompt_token_ids,
+            n,
+            sampling,
+            max_model_len=self.max_model_len,
+            vocab_size=self.arch.vocab_size,
+            long_prompt=self.long_prompt,
+        )
+        with _TrainerState():
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": p} for p in prompts],
+                self._params(n, sampling, len(prompts)),
+                use_tqdm=False,
+            )
+        return [
+            RolloutGroup(
+                prompt_ids=prompt,
+                completions=[_completion(c) for c in out.outputs],
+                policy_version=self.version,
+                truncated=was_cut,
+            )
+            for prompt, out, was_cut in zip(prompts, outputs, cut, strict=True)
+        ]
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        from vllm import SamplingParams
+
+        check_sequences(sequences, max_model_len=self.max_model_len)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        with _TrainerState():
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
+            )
+        return [
+            [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
+            for out, seq in zip(outputs, sequences, strict=True)
+        ]
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        stream = checked_weights(weights, self.shapes)
+        try:
+            with _TrainerState():
+                if self.in_process:
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+                else:
+                    self._reload_from_files(stream)
+        except BaseException:
+            self._recover()
+            raise
+        self.llm.reset_prefix_cache()
+        self.version += 1
+
+    def _reload_from_files(self, stream: Iterable[tuple[str, Tensor]]) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(
+            tempfile.mkdtemp(prefix=f"cwgrpo-sync-{uuid.uuid4().hex[:8]}-", dir=self.shm_dir)
+        )
+        try:
+            paths = []
+            for i, bucket in enumerate(buckets(iter(stream), bucket_bytes=self.bucket_bytes)):
+                path = folder / f"bucket-{i:05d}.safetensors"
+                save_file({name: t.contiguous() for name, t in bucket}, str(path))
+                paths.append(str(path))
+            self.llm.collective_rpc("cwgrpo_reload_from_files", args=(paths,))
+        finally:
+            for path in folder.iterdir():
+                path.unlink()
+            folder.rmdir()
+
+
+def _completion(output) -> Completion:
+    ids = list(output.token_ids)
+    if output.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a request with {output.finish_reason!r}")
+    logprobs = [step[token].logprob for step, token in zip(output.logprobs, ids, strict=True)]
+    return Completion(ids, logprobs, output.finish_reason)

@@ -1,0 +1,101 @@
+"""Stream the Megatron model as full HF-named tensors, in buckets (DESIGN section 4, step 10).
+
+For every parameter of every pipeline stage, in stage order:
+
+    shard [.., n/tp, ..] on the owning stage, cast to the export dtype
+      -> broadcast over the PP group from the owning stage   (every stage holds the shard)
+      -> all-gather over the TP group                         (every rank holds all tp shards)
+      -> `convert.mapping.to_hf`: fuse the shards, split QKV / gate-up, strip vocab padding
+
+so every rank of the model-parallel group ends with the same full HF tensors. Communication per
+parameter: one broadcast of its shard over PP (pp > 1) and one all-gather over TP (tp > 1). The
+shard shapes come from the mapping (`megatron_shape`), so receivers need no shape messages.
+
+No tensor is copied on the way except where the HF layout differs (QKV split, dtype cast,
+gathering TP shards): in one process the engine reads the trainer's parameters themselves.
+
+Tensors are grouped into buckets of about `bucket_bytes`: at most one bucket (plus the tensor
+being gathered) is alive at a time, never the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
+from cwgrpo_megatron.convert.mapping import megatron_shape, stage_params, to_hf
+from cwgrpo_megatron.dist.collectives import (
+    Group,
+    all_gather,
+    broadcast_into,
+    global_rank,
+    rank_in,
+    size_of,
+)
+
+Bucket = list[tuple[str, Tensor]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportGroups:
+    """The groups the export walks; None means this process alone (tp = 1 or pp = 1)."""
+
+    tp: Group = None
+    pp: Group = None
+    te_spec: bool = False
+    """Names of the norms differ with Transformer Engine's fused layer spec."""
+
+
+def hf_tensors(
+    params: dict[str, Tensor],
+    arch: ModelArch,
+    *,
+    groups: ExportGroups,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[str, Tensor]]:
+    """(hf_name, full tensor in `dtype`) for the whole model, each name once, on every rank.
+
+    `params` are this rank's Megatron parameters by name (`model.named_parameters()` of the
+    unwrapped GPTModel). Every rank of the TP x PP group must iterate to the end: each tensor is
+    a collective over both groups.
+    """
+    tp, pp = size_of(groups.tp), size_of(groups.pp)
+    my_stage = rank_in(groups.pp)
+    padded = padded_vocab_size(arch.vocab_size, tp=tp)
+    seen: set[str] = set()
+    for stage in range(pp):
+        for item in stage_params(arch, pp_rank=stage, pp=pp, te_spec=groups.te_spec):
+            if all(name in seen for name in item.hf_names):
+                continue  # a tied output layer on the last stage repeats the embedding
+            if stage == my_stage:
+                shard = params[item.megatron_name].detach().to(device=device, dtype=dtype)
+            else:
+                shape = megatron_shape(item.rule, arch, tp=tp, padded_vocab=padded)
+                shard = torch.empty(shape, dtype=dtype, device=device)
+            shard = broadcast_into(shard, global_rank(groups.pp, stage), groups.pp)
+            full = to_hf(item.rule, all_gather(shard, groups.tp), arch)
+            for name, tensor in zip(item.hf_names, full, strict=True):
+                seen.add(name)
+                yield name, tensor
+
+
+def buckets(tensors: Iterator[tuple[str, Tensor]], *, bucket_bytes: int) -> Iterator[Bucket]:
+    """Consecutive groups of tensors of about `bucket_bytes` each (a bigger tensor goes alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    bucket: Bucket = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

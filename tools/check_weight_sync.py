@@ -1,0 +1,67 @@
+"""Check that weights synced from Megatron into the rollout engine score like the trainer.
+
+    torchrun --nproc-per-node 4 tools/check_weight_sync.py --hf-dir D --tp 2 --pp 2
+    python tools/check_weight_sync.py --hf-dir D --engine torch     # one process
+
+Each round makes one seeded optimizer step, syncs, and compares the engine's prompt log-probs of
+a fixed batch with the trainer's vocab-parallel log-probs. Exits 1 when max |delta| > --tol, or
+when the engine's log-probs before the sync were not stale (the step changed nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-dir", required=True, help="HF Qwen2 / Llama checkpoint folder")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--engine", default="vllm", help="rollout backend: vllm or torch")
+    parser.add_argument("--rounds", type=int, default=1, help="optimizer step + sync rounds")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--tol", type=float, default=1e-4, help="max |delta log-prob| allowed")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
+    from cwgrpo_megatron.megatron.sync_check import run_check
+
+    init_distributed()
+    rank = dist.get_rank()  # an in-process vLLM engine ends torch.distributed when it stops
+    try:
+        report = run_check(
+            hf_dir=args.hf_dir,
+            tp=args.tp,
+            pp=args.pp,
+            backend=args.engine,
+            rounds=args.rounds,
+            dtype=args.dtype,
+            seed=args.seed,
+        )
+        failed = 0
+        if rank == 0:
+            for r in range(args.rounds):
+                row = {k: v[r] for k, v in report.items()}
+                print(
+                    f"round {r}: max |dlogp| {row['max_abs']:.3e}  mean {row['mean_abs']:.3e}  "
+                    f"before sync {row['stale_max_abs']:.3e}  version {row['versions']}  "
+                    f"rss {row['rss_mb']:.0f} MiB"
+                )
+            worst = max(report["max_abs"])
+            stale = min(report["stale_max_abs"])
+            failed = int(worst > args.tol or stale <= args.tol)
+            print(f"{'FAIL' if failed else 'OK'}: max |dlogp| {worst:.3e} (tol {args.tol:g})")
+            if stale <= args.tol:
+                print("the optimizer step did not change the engine's log-probs: raise the lr")
+        return failed
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
