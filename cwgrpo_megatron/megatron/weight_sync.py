@@ -64,13 +64,21 @@ def sync_weights(model, arch: ModelArch, engine, *, dtype: str) -> int | None:
         raise ValueError(f"exactly global rank {ENGINE_RANK} must hold the rollout engine")
     if not in_engine_group():
         return None
+    # every peer must learn that rank 0 refuses, or they would wait in the export's collectives
+    same = engine is None or engine.shapes == hf_shapes(arch)
+    device = next(unwrap(model).parameters()).device
+    verdict = torch.tensor([float(same)], device=device)
+    verdict = broadcast_from(verdict, ENGINE_RANK, parallel_state.get_model_parallel_group())
+    if not bool(verdict.item()):
+        raise ValueError(
+            "the rollout engine's checkpoint has other tensor names or shapes than the trainer's "
+            "model: start the engine from the checkpoint the trainer was built from"
+        )
     stream = hf_weights(model, arch, dtype=dtype)
     if engine is None:
         for _ in stream:  # the collectives need every peer; the tensors are not needed here
             pass
         return None
-    if engine.shapes != hf_shapes(arch):
-        raise ValueError("the rollout engine's model has other tensor shapes than the trainer's")
     engine.update_weights(stream)
     return engine.version
 

@@ -27,9 +27,9 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import tempfile
-import uuid
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -304,35 +304,42 @@ class VLLMEngine:
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         stream = checked_weights(weights, self.shapes)
-        try:
-            with _TrainerState():
-                if self.in_process:
-                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
-                else:
-                    self._reload_from_files(stream)
-        except BaseException:
-            self._recover()
-            raise
+        if self.in_process:
+            self._reload(
+                lambda: self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": stream}
+                )
+            )
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="cwgrpo-sync-", dir=self.shm_dir))
+            try:
+                # a bad tensor fails here, before the engine is touched
+                paths = self._write_buckets(stream, folder)
+                self._reload(
+                    lambda: self.llm.collective_rpc("cwgrpo_reload_from_files", args=(paths,))
+                )
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
         self.llm.reset_prefix_cache()
         self.version += 1
 
-    def _reload_from_files(self, stream: Iterable[tuple[str, Tensor]]) -> None:
+    def _reload(self, call) -> None:
+        try:
+            with _TrainerState():
+                call()
+        except BaseException:
+            self._recover()
+            raise
+
+    def _write_buckets(self, stream: Iterable[tuple[str, Tensor]], folder: Path) -> list[str]:
         from safetensors.torch import save_file
 
-        folder = Path(
-            tempfile.mkdtemp(prefix=f"cwgrpo-sync-{uuid.uuid4().hex[:8]}-", dir=self.shm_dir)
-        )
-        try:
-            paths = []
-            for i, bucket in enumerate(buckets(iter(stream), bucket_bytes=self.bucket_bytes)):
-                path = folder / f"bucket-{i:05d}.safetensors"
-                save_file({name: t.contiguous() for name, t in bucket}, str(path))
-                paths.append(str(path))
-            self.llm.collective_rpc("cwgrpo_reload_from_files", args=(paths,))
-        finally:
-            for path in folder.iterdir():
-                path.unlink()
-            folder.rmdir()
+        paths = []
+        for i, bucket in enumerate(buckets(iter(stream), bucket_bytes=self.bucket_bytes)):
+            path = folder / f"bucket-{i:05d}.safetensors"
+            save_file({name: t.contiguous() for name, t in bucket}, str(path))
+            paths.append(str(path))
+        return paths
 
 
 def _completion(output) -> Completion:

@@ -194,3 +194,32 @@ def test_check_weight_sync_cli(hf_dir):
     # a tolerance nothing meets: the check must fail, not pass by default
     done = subprocess.run([*args, "--tol", "0"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "FAIL" in done.stdout, done.stdout
+
+
+def _mismatched_engine(rank, world_size, hf_dir, other_dir):
+    from cwgrpo_megatron.megatron import parallel
+    from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
+    from cwgrpo_megatron.megatron.sync_check import start_engine
+    from cwgrpo_megatron.megatron.weight_sync import sync_weights
+
+    cfg = layout_config(
+        tp=2, pp=1, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
+    )
+    trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    try:
+        engine = None
+        if rank == 0:
+            engine = start_engine("torch", other_dir, dtype="float32", max_model_len=64, seed=0)
+        try:
+            sync_weights(trainer.model, arch, engine, dtype="float32")
+        except ValueError as err:
+            return str(err)
+        return "synced"
+    finally:
+        parallel.destroy()
+
+
+def test_an_engine_of_another_model_is_refused_on_every_rank(hf_dir, tmp_path):
+    other = str(save_tiny_qwen2(tmp_path / "other", intermediate_size=384))
+    out = run_distributed(_mismatched_engine, 2, hf_dir, other, timeout=120)
+    assert all("other tensor names or shapes" in message for message in out), out
