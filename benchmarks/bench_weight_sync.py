@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_convert import QWEN_05B  # noqa: E402  (this folder is on sys.path: run as a script)
+from bench_cw_overhead import timed  # noqa: E402
 
 MODELS = {
     "~100M": dict(
@@ -42,15 +42,7 @@ MODELS = {
         intermediate_size=2048,
         vocab_size=32000,
     ),
-    "0.5B": dict(  # Qwen2.5-0.5B's shape
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
+    "0.5B": QWEN_05B,
 }
 QUICK = {"tiny": dict()}
 
@@ -58,16 +50,8 @@ QUICK = {"tiny": dict()}
 def make_hf_dir(folder: Path, overrides: dict) -> Path:
     from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
 
-    return save_tiny_qwen2(folder, max_position_embeddings=512, torch_dtype="bfloat16", **overrides)
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    config = {**overrides, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}
+    return save_tiny_qwen2(folder, **config)
 
 
 def worker(rank, world, port, hf_dir, repeats, queue):
@@ -94,10 +78,9 @@ def worker(rank, world, port, hf_dir, repeats, queue):
         sync_weights(model, arch, engine, dtype="bfloat16")
         dist.barrier()
 
-    ours()  # warm-up
     # the baseline's tensors: the same export, gathered by every rank together
     tensors = {n: t.contiguous() for n, t in hf_weights(model, arch, dtype="bfloat16")}
-    result = {"ours": median_time(ours, repeats)}
+    result = {"ours": timed(ours, repeats)}
     if rank == 0:
         shm = Path(tempfile.mkdtemp(prefix="bench-sync-", dir="/dev/shm"))
         try:
@@ -111,15 +94,14 @@ def worker(rank, world, port, hf_dir, repeats, queue):
                 engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(shm)})
                 engine.llm.reset_prefix_cache()
 
-            reload_from_shm()
-            result["shm"] = median_time(reload_from_shm, repeats)
+            result["shm"] = timed(reload_from_shm, repeats)
             targets = {n: torch.empty_like(t) for n, t in tensors.items()}
 
             def copy():
                 for name, t in tensors.items():
                     targets[name].copy_(t)
 
-            result["copy"] = median_time(copy, repeats)
+            result["copy"] = timed(copy, repeats)
         finally:
             shutil.rmtree(shm)
         queue.put(result)

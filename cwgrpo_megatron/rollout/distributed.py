@@ -20,7 +20,8 @@ class RemoteRolloutError(RuntimeError):
 
 class DistributedRollout:
     def __init__(self, engine: RolloutEngine | None, *, owner: int = 0, group: Group = None):
-        """`engine` on global rank `owner`, None on the other ranks of `group`."""
+        """`engine` on global rank `owner`, None on the other ranks of `group` (the ranks that
+        share it, e.g. `dist.group.WORLD`; None means this process alone)."""
         import torch.distributed as dist
 
         here = dist.get_rank() if dist.is_initialized() else 0

@@ -17,6 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
 
 
+def _evaluate_cmd(model_dir, out, *extra) -> list[str]:
+    """tools/evaluate.py on a tiny model: 8 new tokens, fp32, `extra` arguments."""
+    tool = str(ROOT / "tools" / "evaluate.py")
+    fixed = ["--max-tokens", "8", "--max-model-len", "4096", "--dtype", "float32"]
+    return [sys.executable, tool, "--model-dir", str(model_dir), "--out", str(out), *fixed, *extra]
+
+
 def test_pass_at_k_estimator():
     assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # avg@n
@@ -77,28 +84,18 @@ def test_evaluate_cli_end_to_end_on_a_tiny_model(tmp_path, engine):
 
     hf_dir = save_tiny_qwen2(tmp_path / "hf", max_position_embeddings=4096)
     out = tmp_path / "results.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "evaluate.py"),
-        "--model-dir",
-        str(hf_dir),
+    cmd = _evaluate_cmd(
+        hf_dir,
+        out,
         "--benchmarks",
         "aime24,math500",
         "--limit",
         "5",
         "--n",
         "2",
-        "--max-tokens",
-        "8",
-        "--max-model-len",
-        "4096",
-        "--dtype",
-        "float32",
         "--engine",
         engine,
-        "--out",
-        str(out),
-    ]
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "avg@2" in done.stdout and "average" in done.stdout
@@ -153,26 +150,7 @@ def test_evaluate_takes_a_megatron_checkpoint(tmp_path):
         timeout=300,
     )
     out = tmp_path / "r.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "evaluate.py"),
-        "--model-dir",
-        str(ckpt),
-        "--benchmarks",
-        "amc23",
-        "--limit",
-        "3",
-        "--max-tokens",
-        "8",
-        "--max-model-len",
-        "4096",
-        "--dtype",
-        "float32",
-        "--engine",
-        "torch",
-        "--out",
-        str(out),
-    ]
+    cmd = _evaluate_cmd(ckpt, out, "--benchmarks", "amc23", "--limit", "3", "--engine", "torch")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "converting the Megatron checkpoint" in done.stdout
