@@ -11,11 +11,16 @@ logged every step.
 from __future__ import annotations
 
 import logging
+import os
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
+
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.convert.mapping import hf_shapes
 
 log = logging.getLogger(__name__)
 
@@ -171,3 +176,34 @@ def checked_weights(
     missing = sorted(set(shapes) - seen)
     if missing:
         raise ValueError(f"weight update is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+class EngineBase:
+    """What every backend keeps: the checkpoint's architecture and HF tensor shapes (what an
+    update must deliver), the request limits, the policy version and a seed source."""
+
+    def __init__(
+        self, model_dir: str | os.PathLike, *, seed: int, max_model_len: int, long_prompt: str
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.arch = ModelArch.from_hf_dir(model_dir)
+        self.shapes = hf_shapes(self.arch)
+        self.max_model_len = max_model_len
+        self.long_prompt = long_prompt
+        self.version = 0
+        self._seeds = random.Random(seed)
+
+    def _check_requests(self, prompts, n: int, sampling: SamplingConfig):
+        return check_requests(
+            prompts,
+            n,
+            sampling,
+            max_model_len=self.max_model_len,
+            vocab_size=self.arch.vocab_size,
+            long_prompt=self.long_prompt,
+        )
+
+    def _seed(self, sampling: SamplingConfig) -> int:
+        """The call's seed: the caller's, else the next of the engine's own (reproducible runs
+        that never draw from the trainer's RNG)."""
+        return sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)

@@ -14,19 +14,16 @@ Sampling uses its own seeded generator: it never advances the trainer's RNG.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.convert.mapping import hf_shapes
 from cwgrpo_megatron.rollout.base import (
     Completion,
+    EngineBase,
     RolloutGroup,
     SamplingConfig,
-    check_requests,
     check_sequences,
     checked_weights,
 )
@@ -50,7 +47,7 @@ def filter_logits(z: Tensor, *, top_k: int, top_p: float) -> Tensor:
     return z
 
 
-class TorchEngine:
+class TorchEngine(EngineBase):
     def __init__(
         self,
         model_dir: str | os.PathLike,
@@ -63,8 +60,7 @@ class TorchEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.arch = ModelArch.from_hf_dir(model_dir)
-        self.shapes = hf_shapes(self.arch)
+        super().__init__(model_dir, seed=seed, max_model_len=max_model_len, long_prompt=long_prompt)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
         self.model = model.to(self.device).eval().requires_grad_(False)
@@ -75,23 +71,12 @@ class TorchEngine:
             [] if eos is None else [eos] if isinstance(eos, int) else list(eos), device=self.device
         )
         self.pad = int(self.eos[0]) if len(self.eos) else 0
-        self.max_model_len = max_model_len
-        self.long_prompt = long_prompt
-        self.version = 0
-        self._seeds = random.Random(seed)
 
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
     ) -> list[RolloutGroup]:
-        prompts, cut = check_requests(
-            prompt_token_ids,
-            n,
-            sampling,
-            max_model_len=self.max_model_len,
-            vocab_size=self.arch.vocab_size,
-            long_prompt=self.long_prompt,
-        )
-        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
+        prompts, cut = self._check_requests(prompt_token_ids, n, sampling)
+        seed = self._seed(sampling)
         rows = [p for p in prompts for _ in range(n)]
         tokens, logps, lengths, stopped = self._sample(rows, sampling, seed)
         groups = []

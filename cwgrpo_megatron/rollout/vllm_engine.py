@@ -39,13 +39,11 @@ import psutil
 import torch
 from torch import Tensor
 
-from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.convert.mapping import hf_shapes
 from cwgrpo_megatron.rollout.base import (
     Completion,
+    EngineBase,
     RolloutGroup,
     SamplingConfig,
-    check_requests,
     check_sequences,
     checked_weights,
 )
@@ -126,7 +124,7 @@ def kill_orphaned_engines() -> int:
     return killed
 
 
-class VLLMEngine:
+class VLLMEngine(EngineBase):
     def __init__(
         self,
         model_dir: str | os.PathLike,
@@ -153,15 +151,9 @@ class VLLMEngine:
                 f"an in-process vLLM engine hangs in a world of {world} processes (vLLM builds "
                 "groups over every rank); use in_process=False (engine processes)"
             )
-        self.model_dir = str(model_dir)
-        self.arch = ModelArch.from_hf_dir(model_dir)
-        self.shapes = hf_shapes(self.arch)
-        self.max_model_len = max_model_len
-        self.long_prompt = long_prompt
+        super().__init__(model_dir, seed=seed, max_model_len=max_model_len, long_prompt=long_prompt)
         self.bucket_bytes = bucket_bytes
         self.shm_dir = shm_dir
-        self.version = 0
-        self._seeds = random.Random(seed)
         self._engine_args = dict(
             model=self.model_dir,
             dtype=dtype,
@@ -242,7 +234,7 @@ class VLLMEngine:
     def _params(self, n: int, sampling: SamplingConfig, count: int):
         from vllm import SamplingParams
 
-        base = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
+        base = self._seed(sampling)
         return [
             SamplingParams(
                 n=n,
@@ -262,14 +254,7 @@ class VLLMEngine:
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
     ) -> list[RolloutGroup]:
-        prompts, cut = check_requests(
-            prompt_token_ids,
-            n,
-            sampling,
-            max_model_len=self.max_model_len,
-            vocab_size=self.arch.vocab_size,
-            long_prompt=self.long_prompt,
-        )
+        prompts, cut = self._check_requests(prompt_token_ids, n, sampling)
         with _TrainerState():
             outputs = self.llm.generate(
                 [{"prompt_token_ids": p} for p in prompts],
