@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             )
         finally:
             engine.shutdown()
-    result["settings"] = {k: v for k, v in vars(args).items()}
+    result["settings"] = dict(vars(args))
     print(format_table(result["summary"], args.n))
     print(f"wrote {write_json(result, args.out)} ({len(result['samples'])} completions)")
     return 0

@@ -12,6 +12,7 @@ Prompts that leave no room for `max_tokens` in the engine are skipped and counte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -80,7 +81,7 @@ def evaluate(
             for start in range(0, len(kept), batch_prompts):
                 chunk = kept[start : start + batch_prompts]
                 seed = None if sampling.seed is None else sampling.seed + start * n
-                run = SamplingConfig(**{**sampling.__dict__, "seed": seed})
+                run = dataclasses.replace(sampling, seed=seed)
                 groups = engine.generate([ids[i] for i in chunk], n, run)
                 texts = [
                     tokenizer.decode(c.token_ids, skip_special_tokens=False)

@@ -54,7 +54,6 @@ def run_check(
     seed: int = 0,
     dtype: str = "float32",
     engine=None,
-    on_engine_ready=None,
 ) -> dict | None:
     """Summary on rank 0 ({max_abs, mean_abs, stale_max_abs, versions, rss_mb} per round), None
     on other ranks. `engine` may be given (rank 0) to reuse one across calls."""
@@ -76,8 +75,6 @@ def run_check(
         owns_engine = own and engine is None
         if owns_engine:
             engine = start_engine(backend, hf_dir, dtype=dtype, max_model_len=128, seed=seed)
-        if on_engine_ready is not None:
-            on_engine_ready(trainer, arch, engine)
         tokens = fixed_sequences(arch.vocab_size, batch=batch, seq_len=seq_len, seed=seed + 7)
         rows = tokens.tolist()
         report: dict[str, list] = {k: [] for k in ("max_abs", "mean_abs", "stale_max_abs")}
