@@ -267,8 +267,9 @@ class RolloutConfig:
     """vLLM's share of GPU memory when colocated with training."""
     enable_sleep_mode: bool = True
     """Free vLLM's KV cache and weights during training (GPU only; a no-op on CPU)."""
-    bucket_mb: int = 256
-    """Weight sync bucket size, MiB: the most sync memory held beyond one tensor."""
+    shm_dir: str = "/dev/shm"
+    """Where engine processes' weight-sync buffer lives: a tmpfs with room for one copy of the
+    model in the engine dtype, kept while the engine runs."""
 
     def __post_init__(self) -> None:
         from cwgrpo_megatron.rollout import ROLLOUT_BACKENDS
@@ -281,7 +282,7 @@ class RolloutConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         _check_range("rollout.top_k", self.top_k, low=0)
-        for key in ("max_tokens", "kv_cache_mb", "bucket_mb"):
+        for key in ("max_tokens", "kv_cache_mb"):
             _check_range(f"rollout.{key}", getattr(self, key), low=1)
         _check_range(
             "rollout.gpu_memory_utilization", self.gpu_memory_utilization, low=0.01, high=1.0
@@ -343,7 +344,7 @@ class Config:
             kv_cache_bytes=r.kv_cache_mb << 20,
             gpu_memory_utilization=r.gpu_memory_utilization,
             enable_sleep_mode=r.enable_sleep_mode,
-            bucket_bytes=r.bucket_mb << 20,
+            shm_dir=r.shm_dir,
         )
 
     def check_world(self, world_size: int) -> int:

@@ -186,8 +186,10 @@ def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, arch: ModelArch) -> Tensor:
     return fused.reshape(groups * (per_group + 2) * hd, *rest)
 
 
-def _split_qkv(fused: Tensor, arch: ModelArch) -> list[Tensor]:
-    groups, per_group, hd = arch.num_kv_heads, arch.heads_per_group, arch.head_dim
+def _split_qkv(fused: Tensor, arch: ModelArch, *, groups: int | None = None) -> list[Tensor]:
+    """[q; k; v] of a fused QKV tensor holding `groups` query groups (default: all of them)."""
+    groups = arch.num_kv_heads if groups is None else groups
+    per_group, hd = arch.heads_per_group, arch.head_dim
     rest = fused.shape[1:]
     grouped = fused.reshape(groups, (per_group + 2) * hd, *rest)
     q, k, v = torch.split(grouped, [per_group * hd, hd, hd], dim=1)
@@ -247,6 +249,44 @@ def to_hf(rule: Rule, shards: Sequence[Tensor], arch: ModelArch) -> list[Tensor]
     if rule.kind == "vocab":
         return [full[: arch.vocab_size].contiguous()]
     return [full]
+
+
+Piece = tuple[int, tuple[slice, ...], Tensor]
+"""(index into `rule.hf`, where in that HF tensor, the values there)."""
+
+
+def shard_pieces(
+    rule: Rule, shard: Tensor, arch: ModelArch, *, tp: int = 1, tp_rank: int = 0
+) -> list[Piece]:
+    """Where TP rank `tp_rank`'s shard of `rule`'s parameter lands in the full HF tensors,
+    without gathering the other shards: the inverse of `to_megatron`, one rank at a time.
+
+    Over the ranks of a TP group the pieces cover every HF element exactly once: a replicated
+    parameter is placed by rank 0 only, and vocabulary padding rows are dropped. The values are
+    views of `shard` (the QKV split copies).
+    """
+    if rule.tp_dim is None:
+        return [(0, (), shard)] if tp_rank == 0 else []
+
+    def rows(length: int) -> slice:  # this rank's rows of a tensor of `length` rows split by tp
+        per = length // tp
+        return slice(tp_rank * per, (tp_rank + 1) * per)
+
+    if rule.kind == "gate_up":
+        gate, up = shard.chunk(2, dim=0)
+        where = (rows(arch.ffn_hidden_size),)
+        return [(0, where, gate), (1, where, up)]
+    if rule.kind == "qkv":
+        q, k, v = _split_qkv(shard, arch, groups=arch.num_kv_heads // tp)
+        q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        return [(0, (rows(q_rows),), q), (1, (rows(kv_rows),), k), (2, (rows(kv_rows),), v)]
+    if rule.kind == "vocab":
+        start = tp_rank * shard.shape[0]
+        real = min(shard.shape[0], arch.vocab_size - start)  # the rest is padding
+        return [(0, (slice(start, start + real),), shard[:real])] if real > 0 else []
+    width = shard.shape[rule.tp_dim]
+    where = (slice(None),) * rule.tp_dim + (slice(tp_rank * width, (tp_rank + 1) * width),)
+    return [(0, where, shard)]
 
 
 def megatron_shape(rule: Rule, arch: ModelArch, *, tp: int, padded_vocab: int) -> tuple:

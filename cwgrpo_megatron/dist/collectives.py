@@ -54,6 +54,21 @@ def broadcast_into(buffer: Tensor, src: int, group: Group) -> Tensor:
     return buffer
 
 
+def broadcast_object(obj, src: int, group: Group):
+    """Global rank `src`'s picklable `obj` on every rank of `group` (others pass anything)."""
+    if group is None or size_of(group) == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group: Group) -> None:
+    """Wait until every rank of `group` got here (orders writes to memory the ranks share)."""
+    if group is not None and size_of(group) > 1:
+        dist.barrier(group=group)
+
+
 def global_rank(group: Group, group_rank: int) -> int:
     """The global rank of member `group_rank` of `group` (0 for the one-process group)."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from cwgrpo_megatron.data.batching import synthetic_batch
+from cwgrpo_megatron.dist import broadcast_from
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
 from cwgrpo_megatron.megatron.train_step import train_step
-from cwgrpo_megatron.megatron.weight_sync import ENGINE_RANK, score, sync_weights
+from cwgrpo_megatron.megatron.weight_sync import ENGINE_RANK, score, sync_weights, unwrap
 
 
 def process_tree_rss_mb() -> float:
@@ -42,6 +43,41 @@ def fixed_sequences(vocab_size: int, *, batch: int, seq_len: int, seed: int) -> 
     return torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
 
 
+def both_logprobs(model, arch, engine, tokens: torch.Tensor):
+    """(engine, trainer) log p(x_t | x_<t) `[b, s-1]` of `tokens` `[b, s]` at temperature 1, on
+    rank 0 (None elsewhere). Every rank calls it: the trainer's side is a forward pass."""
+    ours = score(model, arch, tokens)
+    if engine is None:
+        return None
+    return torch.tensor(engine.prompt_logprobs(tokens.tolist())), ours
+
+
+class SyncMismatchError(RuntimeError):
+    """The engine does not score like the trainer after a weight sync."""
+
+
+def verify_sync(
+    model, arch, engine, *, tol: float, batch: int = 4, seq_len: int = 32, seed: int = 0
+) -> float:
+    """After a sync: the max |delta log-prob| between engine and trainer on fixed random
+    sequences (what a training loop's `--verify-sync` runs). Raises SyncMismatchError on every rank
+    above `tol` (the verdict is broadcast from rank 0 over the world), so no rank trains on
+    while the rollouts come from other weights."""
+    tokens = fixed_sequences(arch.vocab_size, batch=batch, seq_len=seq_len, seed=seed)
+    pair = both_logprobs(model, arch, engine, tokens)
+    worst = torch.tensor([float((pair[0] - pair[1]).abs().max()) if pair is not None else 0.0])
+    device = next(unwrap(model).parameters()).device
+    worst = float(broadcast_from(worst.to(device), ENGINE_RANK, dist.group.WORLD).item())
+    if not worst <= tol:  # NaN fails too
+        raise SyncMismatchError(
+            f"after the weight sync the engine's log-probs differ from the trainer's by up to "
+            f"{worst:.3e} > tol {tol:g}: the engine samples from other "
+            "weights than the trainer's (check the engine dtype against train.params_dtype, "
+            "and run tools/check_weight_sync.py on this layout)"
+        )
+    return worst
+
+
 def run_check(
     *,
     hf_dir: str,
@@ -55,8 +91,8 @@ def run_check(
     dtype: str = "float32",
     engine=None,
 ) -> dict | None:
-    """Summary on rank 0 ({max_abs, mean_abs, stale_max_abs, versions, rss_mb} per round), None
-    on other ranks. `engine` may be given (rank 0) to reuse one across calls."""
+    """Summary on rank 0 ({max_abs, mean_abs, stale_max_abs, versions, paths, rss_mb} per
+    round), None on other ranks. `engine` may be given (rank 0) to reuse one across calls."""
     world = dist.get_world_size()
     cfg = layout_config(
         tp=tp,
@@ -78,22 +114,23 @@ def run_check(
         tokens = fixed_sequences(arch.vocab_size, batch=batch, seq_len=seq_len, seed=seed + 7)
         rows = tokens.tolist()
         report: dict[str, list] = {k: [] for k in ("max_abs", "mean_abs", "stale_max_abs")}
-        report.update(versions=[], rss_mb=[])
+        report.update(versions=[], paths=[], rss_mb=[])
         for r in range(rounds):
             step_batch = synthetic_batch(
                 prompts=2, group_size=4, seq_len=24, vocab_size=arch.vocab_size, seed=seed + r
             )
             train_step(trainer, step_batch)
             stale = torch.tensor(engine.prompt_logprobs(rows)) if own else None
-            version = sync_weights(trainer.model, arch, engine, dtype=dtype)
-            ours = score(trainer.model, arch, tokens)
+            synced = sync_weights(trainer.model, arch, engine, dtype=dtype)
+            pair = both_logprobs(trainer.model, arch, engine, tokens)
             if own:
-                theirs = torch.tensor(engine.prompt_logprobs(rows))
+                theirs, ours = pair
                 delta = (theirs - ours).abs()
                 report["max_abs"].append(float(delta.max()))
                 report["mean_abs"].append(float(delta.mean()))
                 report["stale_max_abs"].append(float((stale - ours).abs().max()))
-                report["versions"].append(version)
+                report["versions"].append(synced.version)
+                report["paths"].append(synced.path)
                 report["rss_mb"].append(process_tree_rss_mb())
         return report if own else None
     finally:

@@ -1,14 +1,15 @@
 """Weight sync from the Megatron model into the rollout engine, and the log-prob check.
 
 One engine, on global rank 0 (`ENGINE_RANK`). Per sync, the model-parallel group of data-parallel
-rank 0 (the ranks that hold rank 0's copy of the model) walks the export together
-(`weight_sync.export`: broadcast over PP, all-gather over TP); rank 0 streams the tensors into
-the engine, its model-parallel peers drop them. Other data-parallel replicas do nothing.
+rank 0 (the ranks that hold rank 0's copy of the model) takes part (`sync_weights`: shards
+written into the engine's shared-memory buffer, or the streamed export); other data-parallel
+replicas do nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,9 +18,11 @@ from megatron.core import parallel_state
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import hf_shapes
 from cwgrpo_megatron.dist import broadcast_from, vocab_parallel_logprob_entropy
+from cwgrpo_megatron.dist.collectives import barrier, broadcast_object, max_over
 from cwgrpo_megatron.megatron.forward import forward_logits
 from cwgrpo_megatron.megatron.model import DTYPES, use_transformer_engine
 from cwgrpo_megatron.weight_sync.export import ExportGroups, hf_tensors
+from cwgrpo_megatron.weight_sync.shm import SharedWeights, write_shards
 
 ENGINE_RANK = 0
 
@@ -55,32 +58,81 @@ def in_engine_group() -> bool:
     return parallel_state.get_data_parallel_rank() == 0
 
 
-def sync_weights(model, arch: ModelArch, engine, *, dtype: str) -> int | None:
+@dataclass(frozen=True)
+class SyncResult:
+    version: int | None
+    """The engine's policy version after the sync, on rank 0; None elsewhere."""
+    path: str
+    """How the weights went: "shared" (shards written into the engine's buffer), "stream"
+    (the export's collectives), or "idle" (a rank outside data-parallel rank 0's group)."""
+
+
+def sync_weights(model, arch: ModelArch, engine, *, dtype: str) -> SyncResult:
     """Push the model into `engine` (held by rank 0 only; None elsewhere). Every rank calls this.
 
-    Returns the engine's new policy version on rank 0, None elsewhere.
+    Over the model-parallel group of data-parallel rank 0, one of two paths:
+
+    - the engine offers a shared-memory buffer (engine processes) and every rank of the group
+      sees it (same node): each rank writes its own shards into it (`weight_sync.shm`), a
+      barrier, rank 0's engine loads it. Nothing crosses the network.
+    - otherwise the export streams full tensors to rank 0 (PP broadcast, TP all-gather).
+
+    Control traffic: one object broadcast (rank 0's verdict on the engine and its buffer) and
+    one 1-element max over the group.
     """
     if (engine is not None) != (dist.get_rank() == ENGINE_RANK):
         raise ValueError(f"exactly global rank {ENGINE_RANK} must hold the rollout engine")
     if not in_engine_group():
-        return None
+        return SyncResult(version=None, path="idle")
+    group = parallel_state.get_model_parallel_group()
     # every peer must learn that rank 0 refuses, or they would wait in the export's collectives
-    same = engine is None or engine.shapes == hf_shapes(arch)
-    device = next(unwrap(model).parameters()).device
-    verdict = torch.tensor([float(same)], device=device)
-    verdict = broadcast_from(verdict, ENGINE_RANK, parallel_state.get_model_parallel_group())
-    if not bool(verdict.item()):
+    same, buffer = broadcast_object(_offer(engine, arch, dtype), ENGINE_RANK, group)
+    if not same:
         raise ValueError(
             "the rollout engine's checkpoint has other tensor names or shapes than the trainer's "
             "model: start the engine from the checkpoint the trainer was built from"
         )
-    stream = hf_weights(model, arch, dtype=dtype)
+    if buffer is not None and _all_see(buffer, group):
+        write_shards(buffer, dict(unwrap(model).named_parameters()), arch, **_ranks())
+        barrier(group)  # every shard is in before the engine reads
+        if engine is not None:
+            engine.load_shared_weights()
+        path = "shared"
+    else:
+        stream = hf_weights(model, arch, dtype=dtype)
+        if engine is None:
+            for _ in stream:  # the collectives need every peer; the tensors are not needed here
+                pass
+        else:
+            engine.update_weights(stream)
+        path = "stream"
+    return SyncResult(version=None if engine is None else engine.version, path=path)
+
+
+def _offer(engine, arch: ModelArch, dtype: str) -> tuple[bool, SharedWeights | None]:
+    """Rank 0's verdict: does the engine hold this model, and which buffer it offers."""
     if engine is None:
-        for _ in stream:  # the collectives need every peer; the tensors are not needed here
-            pass
-        return None
-    engine.update_weights(stream)
-    return engine.version
+        return True, None
+    if engine.shapes != hf_shapes(arch):
+        return False, None
+    return True, engine.shared_weights(DTYPES[dtype])
+
+
+def _all_see(buffer: SharedWeights, group) -> bool:
+    """Every rank of `group` sees the buffer's file (False when the group spans nodes)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    blind = torch.tensor([0.0 if buffer.visible() else 1.0], device=device)
+    return not bool(max_over(blind, group).item())
+
+
+def _ranks() -> dict:
+    return dict(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        te_spec=use_transformer_engine(),
+    )
 
 
 def score(model, arch: ModelArch, tokens: torch.Tensor) -> torch.Tensor | None:

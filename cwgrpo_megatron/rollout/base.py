@@ -17,15 +17,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import hf_shapes
+from cwgrpo_megatron.weight_sync.shm import SharedWeights
 
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length")
 LONG_PROMPT_POLICIES = ("error", "truncate")
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +90,17 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named full tensors (the whole model, streamed); bumps `version`."""
+        ...
+
+    def shared_weights(self, dtype: torch.dtype) -> SharedWeights | None:
+        """A shared-memory buffer laid out as the HF model that the trainer's ranks may write
+        their shards into, for engines in other processes; None when `update_weights` is the
+        faster path (an engine in the trainer's process reads the tensors themselves)."""
+        ...
+
+    def load_shared_weights(self) -> None:
+        """Load what the buffer holds now (every tensor must have been written); bumps
+        `version`."""
         ...
 
     def sleep(self) -> None: ...
@@ -202,6 +216,12 @@ class EngineBase:
             vocab_size=self.arch.vocab_size,
             long_prompt=self.long_prompt,
         )
+
+    def shared_weights(self, dtype: torch.dtype) -> SharedWeights | None:
+        return None
+
+    def load_shared_weights(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no shared weight buffer")
 
     def _seed(self, sampling: SamplingConfig) -> int:
         """The call's seed: the caller's, else the next of the engine's own (reproducible runs

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from cwgrpo_megatron.rollout.base import (
+    ENGINE_DTYPES,
     Completion,
     EngineBase,
     RolloutGroup,
@@ -27,8 +28,6 @@ from cwgrpo_megatron.rollout.base import (
     check_sequences,
     checked_weights,
 )
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def filter_logits(z: Tensor, *, top_k: int, top_p: float) -> Tensor:
@@ -62,7 +61,7 @@ class TorchEngine(EngineBase):
 
         super().__init__(model_dir, seed=seed, max_model_len=max_model_len, long_prompt=long_prompt)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=ENGINE_DTYPES[dtype])
         self.model = model.to(self.device).eval().requires_grad_(False)
         eos = model.generation_config.eos_token_id
         if eos is None:

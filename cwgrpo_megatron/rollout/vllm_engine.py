@@ -5,10 +5,12 @@ Two ways to run it, chosen by `in_process` (default: in-process in a world of on
 - in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, starts in seconds): weights stream straight
   into the worker's `reload_weights` from the exporter's iterator. Under torchrun this would
   hang (vLLM calls `new_group` over every rank), so it is refused when world > 1.
-- engine processes (vLLM's default): tensors cannot pass through `collective_rpc`, so each
-  bucket is written as a safetensors file in shared memory (`shm_dir`) and the worker extension
-  `vllm_worker.WeightFileLoader` reads them. The whole model sits in shared memory during the
-  update, and the files are deleted right after it.
+- engine processes (vLLM's default): tensors cannot pass through `collective_rpc`, so the
+  engine owns a buffer in shared memory laid out as the HF model (`weight_sync.shm`, in
+  `shm_dir`, allocated at the first update and kept until shutdown: one copy of the model in
+  the update's dtype). Under torchrun the trainer's ranks write their shards into it directly
+  (`shared_weights`, then `load_shared_weights`); `update_weights` copies a stream into it.
+  The worker extension `vllm_worker.WeightFileLoader` loads views of the same pages.
 
 After every update the prefix cache is reset: cached KV blocks were computed with the old
 weights (skipping it gave log-prob errors of about 10 on a 168-token prompt).
@@ -27,7 +29,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import signal
 import tempfile
 import weakref
@@ -40,6 +41,7 @@ import torch
 from torch import Tensor
 
 from cwgrpo_megatron.rollout.base import (
+    ENGINE_DTYPES,
     Completion,
     EngineBase,
     RolloutGroup,
@@ -47,7 +49,7 @@ from cwgrpo_megatron.rollout.base import (
     check_sequences,
     checked_weights,
 )
-from cwgrpo_megatron.weight_sync.export import buckets
+from cwgrpo_megatron.weight_sync import shm
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,6 @@ class VLLMEngine(EngineBase):
         gpu_memory_utilization: float = 0.5,
         enable_sleep_mode: bool = False,
         enforce_eager: bool = True,
-        bucket_bytes: int = 256 << 20,
         shm_dir: str = "/dev/shm",
     ) -> None:
         import torch.distributed as dist
@@ -152,8 +153,9 @@ class VLLMEngine(EngineBase):
                 "groups over every rank); use in_process=False (engine processes)"
             )
         super().__init__(model_dir, seed=seed, max_model_len=max_model_len, long_prompt=long_prompt)
-        self.bucket_bytes = bucket_bytes
         self.shm_dir = shm_dir
+        self._buffer: shm.SharedWeights | None = None
+        self._buffer_finalizer = None
         self._engine_args = dict(
             model=self.model_dir,
             dtype=dtype,
@@ -184,6 +186,7 @@ class VLLMEngine(EngineBase):
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # skips a 2-17 s compile of a helper
         if not self.in_process:
             kill_orphaned_engines()
+            shm.remove_orphaned_buffers(self.shm_dir)
         from vllm import LLM
 
         with _TrainerState():
@@ -214,6 +217,9 @@ class VLLMEngine(EngineBase):
         with its collectives and Megatron's groups (`parallel.destroy()`)."""
         if self.llm is None:
             return
+        if self._buffer_finalizer is not None:
+            self._buffer_finalizer()
+            self._buffer, self._buffer_finalizer = None, None
         if self._finalizer is not None:
             self._finalizer()
         else:
@@ -295,16 +301,28 @@ class VLLMEngine(EngineBase):
                     "reload_weights", kwargs={"weights_iterator": stream}
                 )
             )
-        else:
-            folder = Path(tempfile.mkdtemp(prefix="cwgrpo-sync-", dir=self.shm_dir))
-            try:
-                # a bad tensor fails here, before the engine is touched
-                paths = self._write_buckets(stream, folder)
-                self._reload(
-                    lambda: self.llm.collective_rpc("cwgrpo_reload_from_files", args=(paths,))
-                )
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+            self.llm.reset_prefix_cache()
+            self.version += 1
+            return
+        # a bad tensor fails here, before the engine is touched
+        shm.fill(self.shared_weights(ENGINE_DTYPES[self._engine_args["dtype"]]), stream)
+        self.load_shared_weights()
+
+    def shared_weights(self, dtype: torch.dtype) -> shm.SharedWeights | None:
+        if self.in_process:
+            return None  # the worker reads the trainer's tensors themselves
+        if self._buffer is None or self._buffer.torch_dtype != dtype:
+            if self._buffer_finalizer is not None:
+                self._buffer_finalizer()
+            self._buffer = shm.create(self.shapes, dtype, folder=self.shm_dir)
+            self._buffer_finalizer = weakref.finalize(self, shm.remove, self._buffer)
+        return self._buffer
+
+    def load_shared_weights(self) -> None:
+        if self._buffer is None:
+            raise RuntimeError("load_shared_weights before shared_weights: nothing was written")
+        message = self._buffer.to_message()
+        self._reload(lambda: self.llm.collective_rpc("cwgrpo_load_shared", args=(message,)))
         self.llm.reset_prefix_cache()
         self.version += 1
 
@@ -315,16 +333,6 @@ class VLLMEngine(EngineBase):
         except BaseException:
             self._recover()
             raise
-
-    def _write_buckets(self, stream: Iterable[tuple[str, Tensor]], folder: Path) -> list[str]:
-        from safetensors.torch import save_file
-
-        paths = []
-        for i, bucket in enumerate(buckets(iter(stream), bucket_bytes=self.bucket_bytes)):
-            path = folder / f"bucket-{i:05d}.safetensors"
-            save_file({name: t.contiguous() for name, t in bucket}, str(path))
-            paths.append(str(path))
-        return paths
 
 
 def _completion(output) -> Completion:

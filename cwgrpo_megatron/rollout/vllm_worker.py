@@ -1,21 +1,19 @@
 """Worker extension loaded inside vLLM's engine processes (`worker_extension_cls`).
 
-Across processes `collective_rpc` pickles its arguments, so tensors would arrive as lists: the
-trainer writes each bucket as a safetensors file in shared memory and sends only the paths.
-This module must stay importable without megatron (engine processes do not load it).
+Across processes `collective_rpc` serialises its arguments, so tensors would arrive as lists:
+the trainer writes the weights into a shared-memory buffer (`weight_sync.shm`) and sends only
+its layout. This module must stay importable without megatron (engine processes do not load
+it).
 """
 
 from __future__ import annotations
 
 
 class WeightFileLoader:
-    def cwgrpo_reload_from_files(self, paths: list[str]) -> int:
-        """Reload the whole model from bucket files, one file in memory at a time."""
-        from safetensors.torch import load_file
+    def cwgrpo_load_shared(self, message: dict) -> int:
+        """Reload the whole model from the trainer's shared-memory buffer (views, no copy)."""
+        from cwgrpo_megatron.weight_sync.shm import SharedWeights, mapped
 
-        def stream():
-            for path in paths:
-                yield from load_file(path).items()
-
-        self.reload_weights(weights_iterator=stream())
-        return len(paths)
+        tensors = mapped(SharedWeights.from_message(message))
+        self.reload_weights(weights_iterator=iter(tensors.items()))
+        return len(tensors)

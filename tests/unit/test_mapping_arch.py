@@ -7,6 +7,7 @@ from cwgrpo_megatron.convert.mapping import (
     hf_names,
     layer_offset,
     megatron_shape,
+    shard_pieces,
     stage_params,
     to_hf,
     to_megatron,
@@ -103,6 +104,16 @@ def test_split_and_merge_round_trip(kind, tp):
     assert len(back) == len(hf)
     for a, b in zip(hf, back, strict=True):
         assert torch.equal(a, b)
+    # each rank places its own shard, without the others': every element exactly once
+    placed = [torch.full_like(t, float("nan")) for t in hf]
+    writes = [torch.zeros_like(t) for t in hf]
+    for r, shard in enumerate(shards):
+        for index, where, values in shard_pieces(rule, shard, ARCH, tp=tp, tp_rank=r):
+            placed[index][where] = values
+            writes[index][where] += 1
+    for a, b, w in zip(hf, placed, writes, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(w, torch.ones_like(w))
 
 
 def test_qkv_fusion_layout_is_per_query_group():

@@ -1,0 +1,124 @@
+"""The shared-memory weight buffer: each rank's shards land in the right slices of the HF model."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
+from cwgrpo_megatron.convert.mapping import hf_shapes, stage_params, to_megatron
+from cwgrpo_megatron.weight_sync import shm
+
+HF = dict(
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=128,
+)
+
+
+@pytest.fixture
+def buffers(tmp_path):
+    made = []
+
+    def make(shapes, dtype):
+        made.append(shm.create(shapes, dtype, folder=str(tmp_path)))
+        return made[-1]
+
+    yield make
+    for buffer in made:
+        shm.remove(buffer)
+
+
+def _random_model(arch: ModelArch) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=gen) for n, s in hf_shapes(arch).items()}
+
+
+def _rank_params(hf, arch, *, tp, tp_rank, pp, pp_rank):
+    """What Megatron rank (tp_rank, pp_rank) holds: its shard of every parameter of its stage."""
+    padded = padded_vocab_size(arch.vocab_size, tp=tp)
+    return {
+        item.megatron_name: to_megatron(
+            item.rule,
+            [hf[n] for n in item.hf_names],
+            arch,
+            tp=tp,
+            tp_rank=tp_rank,
+            padded_vocab=padded,
+        )
+        for item in stage_params(arch, pp_rank=pp_rank, pp=pp)
+    }
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_rank_writes_its_shards_and_the_buffer_is_the_hf_model(buffers, tied, tp, pp, dtype):
+    arch = ModelArch.from_hf_dict({**HF, "tie_word_embeddings": tied})
+    hf = _random_model(arch)
+    buffer = buffers(hf_shapes(arch), dtype)
+    for view in shm.mapped(buffer).values():
+        view.fill_(float("nan"))  # an element nobody writes stays NaN
+    written = 0
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            params = _rank_params(hf, arch, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
+            written += shm.write_shards(
+                buffer, params, arch, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank
+            )
+    element = torch.empty((), dtype=dtype).element_size()
+    assert written == sum(t.numel() for t in hf.values()) * element  # each element once
+    # what the engine process reads: a fresh mapping of the same file
+    fresh = shm.SharedWeights.from_message(buffer.to_message())._views()
+    assert list(fresh) == list(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(fresh[name], tensor.to(dtype)), name
+
+
+def test_layout_is_aligned_and_travels_as_plain_types(buffers):
+    arch = ModelArch.from_hf_dict(HF)
+    buffer = buffers(hf_shapes(arch), torch.bfloat16)
+    message = buffer.to_message()
+    assert all(isinstance(v, (str, int, list)) for v in message.values())
+    assert shm.SharedWeights.from_message(message) == buffer
+    offsets = [e.offset for e in buffer.entries.values()]
+    assert offsets == sorted(offsets) and all(o % shm.ALIGN == 0 for o in offsets)
+    assert os.path.getsize(buffer.path) == buffer.nbytes
+    assert buffer.visible()
+    elsewhere = shm.SharedWeights.from_message({**message, "token": "another node's"})
+    assert not elsewhere.visible()
+
+
+def test_a_buffer_bigger_than_the_free_shared_memory_is_refused_up_front(tmp_path):
+    huge = {"w": (1 << 26, 1 << 26)}  # 16 PiB in fp32
+    with pytest.raises(RuntimeError, match="GiB of shared memory .* --shm-size"):
+        shm.create(huge, torch.float32, folder=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # nothing half-made
+
+
+def test_buffers_of_dead_owners_are_removed(tmp_path):
+    # a buffer created by a process that then exited without cleaning up
+    code = (
+        "import torch; from cwgrpo_megatron.weight_sync import shm; "
+        f"shm.create({{'w': (4, 4)}}, torch.float32, folder={str(tmp_path)!r})"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    mine = shm.create({"w": (4, 4)}, torch.float32, folder=str(tmp_path))
+    try:
+        assert len(list(tmp_path.glob("cwgrpo-buffer-*"))) == 2
+        assert shm.remove_orphaned_buffers(str(tmp_path)) == 1
+        assert [p.name for p in tmp_path.glob("cwgrpo-buffer-*")] == [
+            os.path.basename(os.path.dirname(mine.path))
+        ]
+    finally:
+        shm.remove(mine)
+    assert list(tmp_path.iterdir()) == []
