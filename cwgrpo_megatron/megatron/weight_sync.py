@@ -86,12 +86,9 @@ def sync_weights(model, arch: ModelArch, engine, *, dtype: str) -> SyncResult:
         return SyncResult(version=None, path="idle")
     group = parallel_state.get_model_parallel_group()
     # every peer must learn that rank 0 refuses, or they would wait in the export's collectives
-    same, buffer = broadcast_object(_offer(engine, arch, dtype), ENGINE_RANK, group)
-    if not same:
-        raise ValueError(
-            "the rollout engine's checkpoint has other tensor names or shapes than the trainer's "
-            "model: start the engine from the checkpoint the trainer was built from"
-        )
+    refusal, buffer = broadcast_object(_offer(engine, arch, dtype), ENGINE_RANK, group)
+    if refusal is not None:
+        raise ValueError(refusal)
     if buffer is not None and _all_see(buffer, group):
         write_shards(buffer, dict(unwrap(model).named_parameters()), arch, **_ranks())
         barrier(group)  # every shard is in before the engine reads
@@ -109,13 +106,19 @@ def sync_weights(model, arch: ModelArch, engine, *, dtype: str) -> SyncResult:
     return SyncResult(version=None if engine is None else engine.version, path=path)
 
 
-def _offer(engine, arch: ModelArch, dtype: str) -> tuple[bool, SharedWeights | None]:
-    """Rank 0's verdict: does the engine hold this model, and which buffer it offers."""
+def _offer(engine, arch: ModelArch, dtype: str) -> tuple[str | None, SharedWeights | None]:
+    """Rank 0's verdict: why the sync cannot happen (None: it can), and the engine's buffer."""
     if engine is None:
-        return True, None
+        return None, None
     if engine.shapes != hf_shapes(arch):
-        return False, None
-    return True, engine.shared_weights(DTYPES[dtype])
+        return (
+            "the rollout engine's checkpoint has other tensor names or shapes than the trainer's "
+            "model: start the engine from the checkpoint the trainer was built from"
+        ), None
+    try:
+        return None, engine.shared_weights(DTYPES[dtype])
+    except (OSError, RuntimeError) as err:  # e.g. too little shared memory
+        return f"the rollout engine's weight buffer could not be made: {err}", None
 
 
 def _all_see(buffer: SharedWeights, group) -> bool:

@@ -305,7 +305,8 @@ class VLLMEngine(EngineBase):
             self.version += 1
             return
         # a bad tensor fails here, before the engine is touched
-        shm.fill(self.shared_weights(ENGINE_DTYPES[self._engine_args["dtype"]]), stream)
+        buffer = self._buffer or self.shared_weights(ENGINE_DTYPES[self._engine_args["dtype"]])
+        shm.fill(buffer, stream)
         self.load_shared_weights()
 
     def shared_weights(self, dtype: torch.dtype) -> shm.SharedWeights | None:

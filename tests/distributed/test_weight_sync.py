@@ -206,20 +206,22 @@ def test_check_weight_sync_cli(hf_dir):
     assert done.returncode == 1 and "FAIL" in done.stdout, done.stdout
 
 
-def _mismatched_engine(rank, world_size, hf_dir, other_dir):
+def _refused_engine(rank, world_size, hf_dir, engine_dir, shm_dir):
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
-    from cwgrpo_megatron.megatron.sync_check import start_engine
     from cwgrpo_megatron.megatron.weight_sync import sync_weights
+    from cwgrpo_megatron.rollout import get_engine
 
     cfg = layout_config(
         tp=2, pp=1, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
     )
     trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    engine = None
     try:
-        engine = None
-        if rank == 0:
-            engine = start_engine("torch", other_dir, dtype="float32", max_model_len=64, seed=0)
+        if rank == 0 and shm_dir is None:
+            engine = get_engine("torch")(engine_dir, dtype="float32", max_model_len=64, seed=0)
+        elif rank == 0:
+            engine = get_engine("vllm")(engine_dir, max_model_len=64, seed=0, shm_dir=shm_dir)
         try:
             sync_weights(trainer.model, arch, engine, dtype="float32")
         except ValueError as err:
@@ -227,12 +229,20 @@ def _mismatched_engine(rank, world_size, hf_dir, other_dir):
         return "synced"
     finally:
         parallel.destroy()
+        if engine is not None:
+            engine.shutdown()
 
 
 def test_an_engine_of_another_model_is_refused_on_every_rank(hf_dir, tmp_path):
     other = str(save_tiny_qwen2(tmp_path / "other", intermediate_size=384))
-    out = run_distributed(_mismatched_engine, 2, hf_dir, other, timeout=120)
+    out = run_distributed(_refused_engine, 2, hf_dir, other, None, timeout=120)
     assert all("other tensor names or shapes" in message for message in out), out
+
+
+def test_an_engine_without_room_for_its_buffer_is_refused_on_every_rank(hf_dir, tmp_path):
+    missing = str(tmp_path / "no-such-tmpfs")
+    out = run_distributed(_refused_engine, 2, hf_dir, hf_dir, missing, timeout=300)
+    assert all("weight buffer could not be made" in m and "no-such-tmpfs" in m for m in out), out
 
 
 def _check_with_a_peer_on_another_node(rank, world_size, hf_dir):
