@@ -10,19 +10,7 @@ import torch
 from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
 from cwgrpo_megatron.convert.mapping import hf_shapes, stage_params, to_megatron
 from cwgrpo_megatron.weight_sync import shm
-
-HF = dict(
-    architectures=["Qwen2ForCausalLM"],
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    max_position_embeddings=128,
-)
+from tests.unit.test_mapping_arch import HF  # the same small Qwen2 (tie_word_embeddings varies)
 
 
 @pytest.fixture
