@@ -77,8 +77,8 @@ def sync_weights(model, arch: ModelArch, engine, *, dtype: str) -> SyncResult:
       barrier, rank 0's engine loads it. Nothing crosses the network.
     - otherwise the export streams full tensors to rank 0 (PP broadcast, TP all-gather).
 
-    Control traffic: one object broadcast (rank 0's verdict on the engine and its buffer) and
-    one 1-element max over the group.
+    Control traffic: one object broadcast (rank 0's verdict on the engine and its buffer), a
+    barrier, and a 1-element max over the group the first time a buffer is offered.
     """
     if (engine is not None) != (dist.get_rank() == ENGINE_RANK):
         raise ValueError(f"exactly global rank {ENGINE_RANK} must hold the rollout engine")
@@ -121,11 +121,17 @@ def _offer(engine, arch: ModelArch, dtype: str) -> tuple[str | None, SharedWeigh
         return f"the rollout engine's weight buffer could not be made: {err}", None
 
 
+_seen_by_all: dict[str, bool] = {}
+
+
 def _all_see(buffer: SharedWeights, group) -> bool:
-    """Every rank of `group` sees the buffer's file (False when the group spans nodes)."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    blind = torch.tensor([0.0 if buffer.visible() else 1.0], device=device)
-    return not bool(max_over(blind, group).item())
+    """Every rank of `group` sees the buffer's file (False when the group spans nodes). Asked
+    once per buffer: the answer, reduced over the group, is the same on every rank."""
+    if buffer.token not in _seen_by_all:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        blind = torch.tensor([0.0 if buffer.visible() else 1.0], device=device)
+        _seen_by_all[buffer.token] = not bool(max_over(blind, group).item())
+    return _seen_by_all[buffer.token]
 
 
 def _ranks() -> dict:
