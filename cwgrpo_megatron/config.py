@@ -268,7 +268,7 @@ class RolloutConfig:
     enable_sleep_mode: bool = True
     """Free vLLM's KV cache and weights during training (GPU only; a no-op on CPU)."""
     shm_dir: str = "/dev/shm"
-    """Where engine processes' weight-sync buffer lives: a tmpfs with room for one copy of the
+    """Where the vLLM engine's weight-sync buffer lives: a tmpfs with room for one copy of the
     model in the engine dtype, kept while the engine runs."""
 
     def __post_init__(self) -> None:

@@ -50,7 +50,8 @@ def main(argv=None) -> int:
                 print(
                     f"round {r}: max |dlogp| {row['max_abs']:.3e}  mean {row['mean_abs']:.3e}  "
                     f"before sync {row['stale_max_abs']:.3e}  version {row['versions']}  "
-                    f"via {row['paths']}  rss {row['rss_mb']:.0f} MiB"
+                    f"via {row['paths']}{' (' + row['loads'] + ')' if row['loads'] else ''}  "
+                    f"rss {row['rss_mb']:.0f} MiB"
                 )
             worst = max(report["max_abs"])
             stale = min(report["stale_max_abs"])

@@ -91,7 +91,7 @@ def run_check(
     dtype: str = "float32",
     engine=None,
 ) -> dict | None:
-    """Summary on rank 0 ({max_abs, mean_abs, stale_max_abs, versions, paths, rss_mb} per
+    """Summary on rank 0 ({max_abs, mean_abs, stale_max_abs, versions, paths, loads, rss_mb} per
     round), None on other ranks. `engine` may be given (rank 0) to reuse one across calls."""
     world = dist.get_world_size()
     cfg = layout_config(
@@ -114,7 +114,7 @@ def run_check(
         tokens = fixed_sequences(arch.vocab_size, batch=batch, seq_len=seq_len, seed=seed + 7)
         rows = tokens.tolist()
         report: dict[str, list] = {k: [] for k in ("max_abs", "mean_abs", "stale_max_abs")}
-        report.update(versions=[], paths=[], rss_mb=[])
+        report.update(versions=[], paths=[], loads=[], rss_mb=[])
         for r in range(rounds):
             step_batch = synthetic_batch(
                 prompts=2, group_size=4, seq_len=24, vocab_size=arch.vocab_size, seed=seed + r
@@ -131,6 +131,7 @@ def run_check(
                 report["stale_max_abs"].append(float((stale - ours).abs().max()))
                 report["versions"].append(synced.version)
                 report["paths"].append(synced.path)
+                report["loads"].append(getattr(engine, "last_load", None))
                 report["rss_mb"].append(process_tree_rss_mb())
         return report if own else None
     finally:

@@ -72,9 +72,9 @@ def sync_weights(model, arch: ModelArch, engine, *, dtype: str) -> SyncResult:
 
     Over the model-parallel group of data-parallel rank 0, one of two paths:
 
-    - the engine offers a shared-memory buffer (engine processes) and every rank of the group
-      sees it (same node): each rank writes its own shards into it (`weight_sync.shm`), a
-      barrier, rank 0's engine loads it. Nothing crosses the network.
+    - the engine offers a shared-memory buffer (vLLM, but for an in-process engine on a GPU) and
+      every rank of the group sees it (same node): each rank writes its own shards into it
+      (`weight_sync.shm`), a barrier, rank 0's engine loads it. Nothing crosses the network.
     - otherwise the export streams full tensors to rank 0 (PP broadcast, TP all-gather).
 
     Control traffic: one object broadcast (rank 0's verdict on the engine and its buffer), a

@@ -94,8 +94,8 @@ class RolloutEngine(Protocol):
 
     def shared_weights(self, dtype: torch.dtype) -> SharedWeights | None:
         """A shared-memory buffer laid out as the HF model that the trainer's ranks may write
-        their shards into, for engines in other processes; None when `update_weights` is the
-        faster path (an engine in the trainer's process reads the tensors themselves)."""
+        their shards into; None when `update_weights` is the faster path (an engine that reads
+        the trainer's tensors themselves, e.g. in-process on the same GPU)."""
         ...
 
     def load_shared_weights(self) -> None:

@@ -2,15 +2,18 @@
 
 Two ways to run it, chosen by `in_process` (default: in-process in a world of one process):
 
-- in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, starts in seconds): weights stream straight
-  into the worker's `reload_weights` from the exporter's iterator. Under torchrun this would
-  hang (vLLM calls `new_group` over every rank), so it is refused when world > 1.
-- engine processes (vLLM's default): tensors cannot pass through `collective_rpc`, so the
-  engine owns a buffer in shared memory laid out as the HF model (`weight_sync.shm`, in
-  `shm_dir`, allocated at the first update and kept until shutdown: one copy of the model in
-  the update's dtype). Under torchrun the trainer's ranks write their shards into it directly
-  (`shared_weights`, then `load_shared_weights`); `update_weights` copies a stream into it.
-  The worker extension `vllm_worker.WeightFileLoader` loads views of the same pages.
+- in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, starts in seconds). Under torchrun this
+  would hang (vLLM calls `new_group` over every rank), so it is refused when world > 1.
+- engine processes (vLLM's default): tensors cannot pass through `collective_rpc`.
+
+Weights reach the engine through a buffer in shared memory laid out as the HF model
+(`weight_sync.shm`, in `shm_dir`, allocated at the first update and kept until shutdown: one
+copy of the model in the update's dtype). The trainer's ranks write their shards into it
+directly (`shared_weights`, then `load_shared_weights`); `update_weights` copies a checked
+stream into it, so a bad update fails before the engine is touched. The worker extension
+`vllm_worker.WeightFileLoader` loads views of the same pages, in place on CPU
+(`vllm_inplace`: half the time of vLLM's reload). The one exception is an in-process engine on
+a GPU: there the trainer's device tensors stream straight into the worker's `reload_weights`.
 
 After every update the prefix cache is reset: cached KV blocks were computed with the old
 weights (skipping it gave log-prob errors of about 10 on a 168-token prompt).
@@ -156,6 +159,9 @@ class VLLMEngine(EngineBase):
         self.shm_dir = shm_dir
         self._buffer: shm.SharedWeights | None = None
         self._buffer_finalizer = None
+        self.last_load: str | None = None
+        """How the engine took the last buffer: "in_place" (`vllm_inplace`) or
+        "reload" (vLLM's `reload_weights`); None before the first."""
         self._engine_args = dict(
             model=self.model_dir,
             dtype=dtype,
@@ -184,9 +190,9 @@ class VLLMEngine(EngineBase):
     def _start(self):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # skips a 2-17 s compile of a helper
+        shm.remove_orphaned_buffers(self.shm_dir)
         if not self.in_process:
             kill_orphaned_engines()
-            shm.remove_orphaned_buffers(self.shm_dir)
         from vllm import LLM
 
         with _TrainerState():
@@ -293,9 +299,14 @@ class VLLMEngine(EngineBase):
 
     # ---- weights ---------------------------------------------------------------------------
 
+    @property
+    def buffered(self) -> bool:
+        """Updates go through the shared-memory buffer (all but an in-process GPU engine)."""
+        return not (self.in_process and torch.cuda.is_available())
+
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         stream = checked_weights(weights, self.shapes)
-        if self.in_process:
+        if not self.buffered:
             self._reload(
                 lambda: self.llm.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": stream}
@@ -310,8 +321,8 @@ class VLLMEngine(EngineBase):
         self.load_shared_weights()
 
     def shared_weights(self, dtype: torch.dtype) -> shm.SharedWeights | None:
-        if self.in_process:
-            return None  # the worker reads the trainer's tensors themselves
+        if not self.buffered:
+            return None  # the worker reads the trainer's device tensors themselves
         if self._buffer is None or self._buffer.torch_dtype != dtype:
             if self._buffer_finalizer is not None:
                 self._buffer_finalizer()
@@ -323,7 +334,11 @@ class VLLMEngine(EngineBase):
         if self._buffer is None:
             raise RuntimeError("load_shared_weights before shared_weights: nothing was written")
         message = self._buffer.to_message()
-        self._reload(lambda: self.llm.collective_rpc("cwgrpo_load_shared", args=(message,)))
+        loads = []
+        self._reload(
+            lambda: loads.extend(self.llm.collective_rpc("cwgrpo_load_shared", args=(message,)))
+        )
+        self.last_load = loads[0]
         self.llm.reset_prefix_cache()
         self.version += 1
 

@@ -10,10 +10,18 @@ from __future__ import annotations
 
 
 class WeightFileLoader:
-    def cwgrpo_load_shared(self, message: dict) -> int:
-        """Reload the whole model from the trainer's shared-memory buffer (views, no copy)."""
-        from cwgrpo_megatron.weight_sync.shm import SharedWeights, mapped
+    def cwgrpo_load_shared(self, message: dict) -> str:
+        """Reload the whole model from the trainer's shared-memory buffer (views, no copy):
+        in place where `vllm_inplace` covers the model, else through vLLM's `reload_weights`.
+        Returns which of the two ("in_place" or "reload") ran."""
+        from cwgrpo_megatron.rollout import vllm_inplace
+        from cwgrpo_megatron.weight_sync import shm
 
-        tensors = mapped(SharedWeights.from_message(message))
+        buffer = shm.SharedWeights.from_message(message)
+        tensors = shm.mapped(buffer)
+        if vllm_inplace.supported(self.vllm_config) and vllm_inplace.load_in_place(
+            self.model_runner.get_model(), tensors, lambda names: shm.span(buffer, names)
+        ):
+            return "in_place"
         self.reload_weights(weights_iterator=iter(tensors.items()))
-        return len(tensors)
+        return "reload"

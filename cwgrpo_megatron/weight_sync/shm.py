@@ -65,12 +65,18 @@ class SharedWeights:
 
     @classmethod
     def plan(cls, path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype):
-        """Entries for `shapes` in their order, each aligned to `ALIGN` bytes."""
+        """Entries for `shapes` in their order, each aligned to `ALIGN` bytes, except that the
+        members of a fused projection (`FUSED`: q/k/v_proj, gate/up_proj of one layer) follow
+        each other without a gap, so that the engine reads the fused tensor as one view."""
         size = torch.empty((), dtype=dtype).element_size()
         entries, offset = {}, 0
-        for name, shape in shapes.items():
-            entries[name] = Entry(offset=offset, shape=tuple(shape))
-            offset += -(-_numel(shape) * size // ALIGN) * ALIGN
+        for name in shapes:
+            if name in entries:
+                continue
+            for member in fused_members(name, shapes):
+                entries[member] = Entry(offset=offset, shape=tuple(shapes[member]))
+                offset += _numel(shapes[member]) * size
+            offset = -(-offset // ALIGN) * ALIGN
         return cls(
             path=path, dtype=str(dtype).removeprefix("torch."), entries=entries, nbytes=offset
         )
@@ -110,6 +116,38 @@ class SharedWeights:
             raw = flat[entry.offset : entry.offset + nbytes]
             out[name] = raw.view(self.torch_dtype).view(entry.shape)
         return out
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""The HF tensors vLLM's Qwen2 / Llama layers hold as one (its `packed_modules_mapping`)."""
+
+
+def fused_members(name: str, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The HF names fused with `name` in the engine, in row order (`[name]` if none)."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    for members in FUSED.values():
+        if proj in members:
+            names = [f"{parent}.{m}.{leaf}" for m in members]
+            if all(n in shapes for n in names):
+                return names
+    return [name]
+
+
+def span(buffer: SharedWeights, names: list[str]) -> Tensor | None:
+    """The tensors `names` stacked on dim 0, as one view of the buffer; None when they do not
+    lie back to back (another layout) or their trailing shapes differ."""
+    views = mapped(buffer)
+    first, rows = views[names[0]], 0
+    for name in names:
+        view = views[name]
+        if view.shape[1:] != first.shape[1:] or view.data_ptr() != first.data_ptr() + (
+            rows * first[0].numel() * first.element_size()
+        ):
+            return None
+        rows += view.shape[0]
+    out = first.new_empty(0)
+    return out.set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
 
 
 _mapped: dict[str, dict[str, Tensor]] = {}

@@ -79,11 +79,43 @@ def test_layout_is_aligned_and_travels_as_plain_types(buffers):
     assert all(isinstance(v, (str, int, list)) for v in message.values())
     assert shm.SharedWeights.from_message(message) == buffer
     offsets = [e.offset for e in buffer.entries.values()]
-    assert offsets == sorted(offsets) and all(o % shm.ALIGN == 0 for o in offsets)
+    assert offsets == sorted(offsets)
+    starts = {shm.fused_members(n, buffer.entries)[0] for n in buffer.entries}
+    assert all(buffer.entries[n].offset % shm.ALIGN == 0 for n in starts)
     assert os.path.getsize(buffer.path) == buffer.nbytes
     assert buffer.visible()
     elsewhere = shm.SharedWeights.from_message({**message, "token": "another node's"})
     assert not elsewhere.visible()
+
+
+def test_fused_projections_lie_back_to_back_and_read_as_one_view(buffers):
+    # a checkpoint's (sorted) order, odd sizes: q, k, v and gate, up are still placed together
+    shapes = {
+        "model.layers.0.mlp.down_proj.weight": (5, 3),
+        "model.layers.0.mlp.gate_proj.weight": (3, 5),
+        "model.layers.0.mlp.up_proj.weight": (3, 5),
+        "model.layers.0.self_attn.k_proj.bias": (1,),
+        "model.layers.0.self_attn.o_proj.weight": (3, 3),
+        "model.layers.0.self_attn.q_proj.bias": (3,),
+        "model.layers.0.self_attn.v_proj.bias": (1,),
+    }
+    buffer = buffers(shapes, torch.bfloat16)
+    views = shm.mapped(buffer)
+    for view in views.values():
+        view.copy_(torch.randn(view.shape))
+    attn = [f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"]
+    mlp = [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up")]
+    for names in (attn, mlp):
+        assert shm.fused_members(names[-1], shapes) == names
+        fused = shm.span(buffer, names)
+        assert torch.equal(fused, torch.cat([views[n] for n in names]))
+        assert fused.data_ptr() == views[names[0]].data_ptr()  # a view, not a copy
+        assert buffer.entries[names[0]].offset % shm.ALIGN == 0
+    assert shm.span(buffer, mlp[::-1]) is None  # not in that order in memory
+    assert shm.span(buffer, [mlp[0], "model.layers.0.mlp.down_proj.weight"]) is None
+    assert shm.fused_members("model.layers.0.mlp.down_proj.weight", shapes) == [
+        "model.layers.0.mlp.down_proj.weight"
+    ]
 
 
 def test_a_buffer_bigger_than_the_free_shared_memory_is_refused_up_front(tmp_path):
