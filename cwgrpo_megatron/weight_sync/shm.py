@@ -6,6 +6,7 @@ extra passes over the model. Instead the engine owns one file in shared memory (
 laid out as the full HF model:
 
     file   [ tensor 0 | tensor 1 | ... ]   each tensor contiguous, in `dtype`, 64-byte aligned
+                                          (q|k|v_proj and gate|up_proj back to back)
 
 and every rank of the model-parallel group copies its own shards straight into their slices of
 the HF tensors (`convert.mapping.shard_pieces`): a QKV shard lands in rows of q/k/v_proj, a
