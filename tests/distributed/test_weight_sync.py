@@ -24,13 +24,25 @@ def _check(rank, world_size, hf_dir, tp, pp, backend, rounds):
     return run_check(hf_dir=hf_dir, tp=tp, pp=pp, backend=backend, rounds=rounds, seed=1)
 
 
+@pytest.fixture(scope="module")
+def tied_hf_dir(tmp_path_factory):  # vLLM pads the 500-row vocabulary to 512
+    path = tmp_path_factory.mktemp("tied") / "hf"
+    return str(save_tiny_qwen2(path, seed=4, tie_word_embeddings=True, vocab_size=500))
+
+
 @pytest.mark.parametrize(
-    "tp,pp,backend,rounds,path",
-    [(2, 1, "vllm", 10, "shared"), (1, 2, "vllm", 3, "shared"), (2, 2, "torch", 3, "stream")],
-    ids=["tp2-vllm-10-syncs", "pp2-vllm", "tp2pp2-torch"],
+    "tp,pp,backend,rounds,path,tied",
+    [
+        (2, 1, "vllm", 10, "shared", False),
+        (1, 2, "vllm", 3, "shared", False),
+        (1, 2, "vllm", 2, "shared", True),
+        (2, 2, "torch", 3, "stream", False),
+    ],
+    ids=["tp2-vllm-10-syncs", "pp2-vllm", "pp2-vllm-tied", "tp2pp2-torch"],
 )
-def test_engine_scores_like_trainer_after_each_sync(hf_dir, tp, pp, backend, rounds, path):
-    report = run_distributed(_check, tp * pp, hf_dir, tp, pp, backend, rounds, timeout=300)[0]
+def test_engine_scores_like_trainer_after_each_sync(request, tp, pp, backend, rounds, path, tied):
+    model = request.getfixturevalue("tied_hf_dir" if tied else "hf_dir")
+    report = run_distributed(_check, tp * pp, model, tp, pp, backend, rounds, timeout=300)[0]
     assert report["versions"] == list(range(1, rounds + 1))
     # engine processes take each rank's shards from shared memory; the torch engine (in the
     # trainer's process) takes the streamed export
