@@ -13,8 +13,9 @@ engine loads it in place (`rollout.vllm_inplace`):
     file      the same, writing the file included (save_file of the gathered tensors + reload)
     copy      a plain torch copy of the same bytes into preallocated tensors
 
-Target (issue "vLLM rollout engine"): ours <= 1.0x the /dev/shm reload time. GB/s counts the
-HF tensors' bytes.
+The four run in interleaved rounds (one warm-up round, then the median of `--repeats`), so a
+slow phase of a shared host slows them alike. Target (issue "vLLM rollout engine"): ours <= 1.0x
+the /dev/shm reload time. GB/s counts the HF tensors' bytes.
 
 Usage: python benchmarks/bench_weight_sync.py [--quick] [--repeats N]
 """
@@ -24,8 +25,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -34,7 +37,6 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_convert import QWEN_05B  # noqa: E402  (this folder is on sys.path: run as a script)
-from bench_cw_overhead import timed  # noqa: E402
 
 MODELS = {
     "~100M": dict(
@@ -79,46 +81,59 @@ def worker(rank, world, port, hf_dir, repeats, queue):
 
     def ours():
         sync_weights(model, arch, engine, dtype="bfloat16")
-        dist.barrier()
 
-    # the baseline's tensors: the same export, gathered by every rank together
+    # the baselines' tensors: the same export, gathered by every rank together
     tensors = {n: t.contiguous() for n, t in hf_weights(model, arch, dtype="bfloat16")}
-    result = {"ours": timed(ours, repeats)}
-    if rank == 0:
-        shm = Path(tempfile.mkdtemp(prefix="bench-sync-", dir="/dev/shm"))
-        try:
-            from safetensors.torch import save_file
+    shm = Path(tempfile.mkdtemp(prefix="bench-sync-", dir="/dev/shm")) if rank == 0 else None
+    try:
+        from safetensors.torch import save_file
 
+        targets = {n: torch.empty_like(t) for n, t in tensors.items()}
+
+        def reload_from_shm():
+            engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(shm)})
+            engine.llm.reset_prefix_cache()
+
+        def write_and_reload():
             save_file(tensors, str(shm / "model.safetensors"))
+            reload_from_shm()
+
+        def copy():
+            for name, t in tensors.items():
+                targets[name].copy_(t)
+
+        if rank == 0:
             shutil.copy(Path(hf_dir) / "config.json", shm)
-            result["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
-
-            def reload_from_shm():
-                engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(shm)})
-                engine.llm.reset_prefix_cache()
-
-            result["shm"] = timed(reload_from_shm, repeats)
-
-            def write_and_reload():
-                save_file(tensors, str(shm / "model.safetensors"))
-                reload_from_shm()
-
-            result["file"] = timed(write_and_reload, repeats)
-            targets = {n: torch.empty_like(t) for n, t in tensors.items()}
-
-            def copy():
-                for name, t in tensors.items():
-                    targets[name].copy_(t)
-
-            result["copy"] = timed(copy, repeats)
-        finally:
+        # interleaved rounds: a slow phase of this shared host hits every method alike
+        methods = {"file": write_and_reload, "ours": ours, "shm": reload_from_shm, "copy": copy}
+        result = interleaved(methods, repeats, everyone={"ours"}, rank=rank)
+        result["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    finally:
+        if shm is not None:
             shutil.rmtree(shm)
+    if rank == 0:
         queue.put(result)
     parallel.destroy()
     if engine is not None:
         engine.shutdown()  # in-process this also ends the default process group
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def interleaved(methods: dict, repeats: int, *, everyone: set[str], rank: int) -> dict:
+    """Median seconds of each method over `repeats` rounds, each round running every method
+    once (after one warm-up round). Methods in `everyone` run on every rank (collectives);
+    the rest on rank 0 while the others wait at a barrier."""
+    times = {name: [] for name in methods}
+    for round_ in range(repeats + 1):
+        for name, fn in methods.items():
+            if name in everyone or rank == 0:
+                start = time.perf_counter()
+                fn()
+                if round_:
+                    times[name].append(time.perf_counter() - start)
+            dist.barrier()
+    return {name: statistics.median(t) for name, t in times.items()} if rank == 0 else {}
 
 
 def run_layout(hf_dir, world, repeats) -> dict:
