@@ -330,18 +330,15 @@ class VLLMEngine(EngineBase):
         if self._buffer is None:
             raise RuntimeError("load_shared_weights before shared_weights: nothing was written")
         message = self._buffer.to_message()
-        loads = []
-        self._reload(
-            lambda: loads.extend(self.llm.collective_rpc("cwgrpo_load_shared", args=(message,)))
-        )
+        loads = self._reload(lambda: self.llm.collective_rpc("cwgrpo_load_shared", args=(message,)))
         self.last_load = loads[0]
         self.llm.reset_prefix_cache()
         self.version += 1
 
-    def _reload(self, call) -> None:
+    def _reload(self, call):
         try:
             with _TrainerState():
-                call()
+                return call()
         except BaseException:
             self._recover()
             raise

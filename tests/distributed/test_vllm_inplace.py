@@ -17,8 +17,9 @@ def _inplace_checks(rank, world_size, hf_dir, shm_dir):
     import torch
 
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
-    from cwgrpo_megatron.rollout import get_engine, vllm_inplace
+    from cwgrpo_megatron.rollout import SamplingConfig, get_engine, vllm_inplace
     from cwgrpo_megatron.weight_sync import shm
+    from tests.rollout_checks import hf_model, reference_logprobs
 
     engine = get_engine("vllm")(hf_dir, max_model_len=64, seed=0)
     worker = engine.llm.llm_engine.model_executor.driver_worker.worker
@@ -40,18 +41,12 @@ def _inplace_checks(rank, world_size, hf_dir, shm_dir):
         worker.cwgrpo_reload(iter(tensors.items()))
         return scores()
 
-    def hf_scores(tensors):
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    def hf_scores(tensors):  # log p(x_t | x_<t) at T = 1, unfiltered
+        hf = hf_model(hf_dir)
         hf.load_state_dict(tensors, strict=False)  # a tied checkpoint has no lm_head.weight
         hf.tie_weights()
-        rows = []
-        with torch.no_grad():
-            for seq in SEQUENCES:
-                logp = torch.log_softmax(hf(torch.tensor([seq])).logits[0, :-1], -1)
-                rows.append(logp.gather(1, torch.tensor(seq[1:])[:, None])[:, 0])
-        return torch.cat(rows)
+        plain = SamplingConfig()
+        return torch.cat([reference_logprobs(hf, s[:1], s[1:], plain) for s in SEQUENCES])
 
     out = {"supported": vllm_inplace.supported(worker.vllm_config)}
     buffer = shm.create(engine.shapes, torch.float32, folder=shm_dir)
