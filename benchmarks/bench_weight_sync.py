@@ -88,7 +88,7 @@ def worker(rank, world, port, hf_dir, repeats, queue):
     try:
         from safetensors.torch import save_file
 
-        targets = {n: torch.empty_like(t) for n, t in tensors.items()}
+        targets = {n: torch.empty_like(t) for n, t in tensors.items()} if rank == 0 else {}
 
         def reload_from_shm():
             engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(shm)})

@@ -11,7 +11,7 @@ Weights reach the engine through a buffer in shared memory laid out as the HF mo
 copy of the model in the update's dtype). The trainer's ranks write their shards into it
 directly (`shared_weights`, then `load_shared_weights`); `update_weights` copies a checked
 stream into it, so a bad update fails before the engine is touched. The worker extension
-`vllm_worker.WeightFileLoader` loads views of the same pages, in place on CPU
+`vllm_worker.SharedWeightLoader` loads views of the same pages, in place on CPU
 (`vllm_inplace`: half the time of vLLM's reload). The one exception is an in-process engine on
 a GPU: there the trainer's device tensors stream straight into the worker's `reload_weights`.
 
@@ -173,7 +173,7 @@ class VLLMEngine(EngineBase):
             # log-probs of the distribution sampled from: after temperature and top-k / top-p
             logprobs_mode="processed_logprobs",
             enable_sleep_mode=enable_sleep_mode and torch.cuda.is_available(),
-            worker_extension_cls="cwgrpo_megatron.rollout.vllm_worker.WeightFileLoader",
+            worker_extension_cls="cwgrpo_megatron.rollout.vllm_worker.SharedWeightLoader",
         )
         if torch.cuda.is_available():
             self._engine_args["gpu_memory_utilization"] = gpu_memory_utilization
@@ -307,9 +307,7 @@ class VLLMEngine(EngineBase):
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         stream = checked_weights(weights, self.shapes)
         if not self.buffered:
-            self._reload(lambda: self.llm.collective_rpc("cwgrpo_reload", args=(stream,)))
-            self.llm.reset_prefix_cache()
-            self.version += 1
+            self._load(lambda: self.llm.collective_rpc("cwgrpo_reload", args=(stream,)))
             return
         # a bad tensor fails here, before the engine is touched
         buffer = self._buffer or self.shared_weights(ENGINE_DTYPES[self._engine_args["dtype"]])
@@ -330,18 +328,21 @@ class VLLMEngine(EngineBase):
         if self._buffer is None:
             raise RuntimeError("load_shared_weights before shared_weights: nothing was written")
         message = self._buffer.to_message()
-        loads = self._reload(lambda: self.llm.collective_rpc("cwgrpo_load_shared", args=(message,)))
+        loads = self._load(lambda: self.llm.collective_rpc("cwgrpo_load_shared", args=(message,)))
         self.last_load = loads[0]
-        self.llm.reset_prefix_cache()
-        self.version += 1
 
-    def _reload(self, call):
+    def _load(self, call):
+        """Run the engine-side load `call`, then reset the prefix cache and bump the version;
+        a failed load rebuilds the engine (`_recover`) and re-raises."""
         try:
             with _TrainerState():
-                return call()
+                result = call()
         except BaseException:
             self._recover()
             raise
+        self.llm.reset_prefix_cache()
+        self.version += 1
+        return result
 
 
 def _completion(output) -> Completion:

@@ -14,7 +14,7 @@ import logging
 log = logging.getLogger(__name__)
 
 
-class WeightFileLoader:
+class SharedWeightLoader:
     def cwgrpo_load_shared(self, message: dict) -> str:
         """Reload the whole model from the trainer's shared-memory buffer (views, no copy):
         in place where `vllm_inplace` covers the model, else through vLLM's `reload_weights`.
