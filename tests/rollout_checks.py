@@ -69,6 +69,23 @@ def check_seeded(engine, hf_dir):
     assert ids(first) != ids(other)
 
 
+def check_prompt_seeds(engine, hf_dir):
+    """With a seed per prompt, a prompt's samples do not depend on the rest of the call (its
+    position, its neighbours): what makes rollouts a function of (seed, step, prompt)."""
+    sampling = SamplingConfig(temperature=1.0, max_tokens=6)
+    together = engine.generate(PROMPTS, 2, sampling, seeds=[100, 200, 300])
+    alone = engine.generate([PROMPTS[1]], 2, sampling, seeds=[200])
+    moved = engine.generate([PROMPTS[2], PROMPTS[1]], 2, sampling, seeds=[7, 200])
+
+    def ids(group):
+        return [c.token_ids for c in group.completions]
+
+    assert ids(together[1]) == ids(alone[0]) == ids(moved[1])
+    assert ids(together[1]) != ids(engine.generate([PROMPTS[1]], 2, sampling, seeds=[201])[0])
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        engine.generate(PROMPTS, 2, sampling, seeds=[1, 2])
+
+
 def check_logprobs_match_hf(engine, hf_dir):
     """Sampling log-probs are those of the distribution sampled from, plain and truncated."""
     model = hf_model(hf_dir)

@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     from transformers import AutoTokenizer
 
+    from cwgrpo_megatron.data.prompts import PromptFormat
     from cwgrpo_megatron.eval.runner import evaluate, format_table, load_benchmarks, write_json
     from cwgrpo_megatron.rollout import SamplingConfig, get_engine
 
@@ -85,7 +86,12 @@ def main(argv=None) -> int:
         )
         try:
             result = evaluate(
-                engine, tokenizer, benchmarks, n=args.n, sampling=sampling, template=args.template
+                engine,
+                tokenizer,
+                benchmarks,
+                n=args.n,
+                sampling=sampling,
+                prompt_format=PromptFormat(template=args.template),
             )
         finally:
             engine.shutdown()

@@ -132,13 +132,26 @@ class PolicyLoss:
 def clipped_surrogate(
     batch: PolicyBatch, adv: Tensor, cfg: AlgoConfig
 ) -> tuple[Tensor, Tensor, Metrics]:
-    """x = -min(rho adv, clip(rho, 1-eps_low, 1+eps_high) adv) `[b, s]`, rho, clip fraction."""
+    """x = -min(rho adv, clip(rho, 1-eps_low, 1+eps_high) adv) `[b, s]`, rho, clip fractions.
+
+    The clip binds (the token's gradient is cut) where clipped < unclipped: at
+    rho > 1 + eps_high for adv > 0 (`clip_frac_high`), at rho < 1 - eps_low for adv < 0
+    (`clip_frac_low`); both are shares of all counted tokens.
+    """
     ratio = torch.exp(batch.logp - batch.old_logp)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
-    clip_frac = mean_metric((clipped < unclipped).to(per_token.dtype), batch.mask)
-    return per_token, ratio, {"clip_frac": clip_frac}
+    binds = clipped < unclipped
+    count = batch.mask.to(torch.float64).sum()
+    return (
+        per_token,
+        ratio,
+        {
+            "clip_frac_high": mean_metric((binds & (adv > 0)).to(adv.dtype), batch.mask, count),
+            "clip_frac_low": mean_metric((binds & (adv < 0)).to(adv.dtype), batch.mask, count),
+        },
+    )
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")

@@ -85,13 +85,31 @@ class TrainBatch:
                 )
 
 
+def shard_prompts(num_prompts: int, *, mini_batches: int, dp_rank: int, dp_size: int) -> list[int]:
+    """Positions, in the step's prompt order, of the prompt groups that data-parallel rank
+    `dp_rank` trains on: its block of each mini-batch, exactly the groups that
+    `split(mini_batches)[k].shard(dp_rank, dp_size)` gives it. Whole groups, never shared."""
+    if num_prompts % (mini_batches * dp_size):
+        raise ValueError(
+            f"{num_prompts} prompts do not split into {mini_batches} mini-batches x "
+            f"{dp_size} data-parallel ranks"
+        )
+    per_mini = num_prompts // mini_batches
+    per_rank = per_mini // dp_size
+    return [
+        k * per_mini + dp_rank * per_rank + j for k in range(mini_batches) for j in range(per_rank)
+    ]
+
+
 def build_train_batch(
     *,
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[Sequence[int]]],
     rewards: Tensor,
     rollout_logps: Sequence[Sequence[Sequence[float]]] | None = None,
+    loss_rows: Tensor | None = None,
     pad_id: int = 0,
+    estimator=group_advantages,
     std_normalize: bool = True,
     adv_eps: float = 1e-6,
     seq_len: int | None = None,
@@ -100,12 +118,15 @@ def build_train_batch(
 
     `responses[p][g]` are the sampled ids of response g of prompt p, `rollout_logps[p][g]` their
     sampling log-probs (optional; the batch's `rollout_logp` is None without them). Rows are
-    padded to `seq_len` (default: the longest prompt + response).
+    padded to `seq_len` (default: the longest prompt + response). `estimator` is a registered
+    advantage estimator (`algo.advantages`), given `std_normalize` and `adv_eps`.
+    `loss_rows [P, G]` (bool) False gives a response no loss (overlong masking); its reward
+    still enters its group's advantage baseline.
     """
     num_prompts, group = rewards.shape
     if len(prompts) != num_prompts or any(len(r) != group for r in responses):
         raise ValueError("prompts / responses do not match rewards [prompts, group_size]")
-    adv_rows = group_advantages(rewards, std_normalize=std_normalize, eps=adv_eps).reshape(-1)
+    adv_rows = estimator(rewards, std_normalize=std_normalize, eps=adv_eps).reshape(-1)
     longest = max(len(p) + len(r) for p, rs in zip(prompts, responses, strict=True) for r in rs)
     s = seq_len or longest
     if s < longest:
@@ -132,6 +153,8 @@ def build_train_batch(
                         f"{len(rollout_logps[p][g])} rollout log-probs"
                     )
                 logp[i, n_p - 1 : n_p + n_r - 1] = torch.tensor(rollout_logps[p][g])
+    if loss_rows is not None:
+        mask = mask * loss_rows.reshape(rows, 1).to(mask.dtype)
     return TrainBatch(
         tokens=tokens[:, :s].contiguous(),
         labels=tokens[:, 1 : s + 1].contiguous(),
@@ -167,13 +190,22 @@ def synthetic_batch(
     )
 
 
-def batch_from_rollouts(groups, rewards: Tensor, **options) -> TrainBatch:
+def batch_from_rollouts(
+    groups, rewards: Tensor, *, mask_truncated: bool = False, **options
+) -> TrainBatch:
     """The TrainBatch of rollout groups (`rollout.RolloutGroup`, G completions each) and their
-    rewards `[P, G]`; `options` go to `build_train_batch` (pad_id, seq_len, ...)."""
+    rewards `[P, G]`; with `mask_truncated`, completions that finished by length get no loss;
+    `options` go to `build_train_batch` (pad_id, seq_len, ...)."""
+    loss_rows = None
+    if mask_truncated:
+        loss_rows = torch.tensor(
+            [[c.finish_reason != "length" for c in g.completions] for g in groups]
+        )
     return build_train_batch(
         prompts=[g.prompt_ids for g in groups],
         responses=[[c.token_ids for c in g.completions] for g in groups],
         rewards=rewards,
         rollout_logps=[[c.logprobs for c in g.completions] for g in groups],
+        loss_rows=loss_rows,
         **options,
     )

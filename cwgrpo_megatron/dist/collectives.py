@@ -12,6 +12,13 @@ from torch import Tensor
 Group = dist.ProcessGroup | None
 
 
+def world_group() -> Group:
+    """Every process of the job, or None when it is this one process alone."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
 def rank_in(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
@@ -89,6 +96,15 @@ def gather_objects(obj, dst: int, group: Group) -> list | None:
         return [obj]
     out = [None] * size_of(group) if dist.get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def all_gather_objects(obj, group: Group) -> list:
+    """Every rank's picklable `obj`, in group-rank order, on every rank of `group`."""
+    if group is None or size_of(group) == 1:
+        return [obj]
+    out = [None] * size_of(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

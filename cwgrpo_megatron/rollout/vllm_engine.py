@@ -243,10 +243,9 @@ class VLLMEngine(EngineBase):
 
     # ---- sampling --------------------------------------------------------------------------
 
-    def _params(self, n: int, sampling: SamplingConfig, count: int):
+    def _params(self, n: int, sampling: SamplingConfig, seeds: list[int]):
         from vllm import SamplingParams
 
-        base = self._seed(sampling)
         return [
             SamplingParams(
                 n=n,
@@ -255,23 +254,27 @@ class VLLMEngine(EngineBase):
                 top_k=sampling.top_k if sampling.top_k > 0 else -1,
                 max_tokens=sampling.max_tokens,
                 logprobs=0,
-                # vLLM seeds the n samples of a request seed, seed + 1, ...: space requests by n;
-                # a seed per request also keeps sampling off the trainer's torch RNG
-                seed=base + i * n,
+                # vLLM seeds the n samples of a request seed, seed + 1, ...; a seed per request
+                # also keeps sampling off the trainer's torch RNG
+                seed=seed,
                 detokenize=False,
             )
-            for i in range(count)
+            for seed in seeds
         ]
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
     ) -> list[RolloutGroup]:
         prompts, cut = self._check_requests(prompt_token_ids, n, sampling)
+        params = self._params(n, sampling, self._prompt_seeds(sampling, len(prompts), n, seeds))
         with _TrainerState():
             outputs = self.llm.generate(
-                [{"prompt_token_ids": p} for p in prompts],
-                self._params(n, sampling, len(prompts)),
-                use_tqdm=False,
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
             )
         return [
             RolloutGroup(

@@ -215,9 +215,12 @@ def test_check_weight_sync_cli(hf_dir):
     done = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "round 1: max |dlogp|" in done.stdout and "OK: max" in done.stdout
-    # a tolerance nothing meets: the check must fail, not pass by default
-    done = subprocess.run([*args, "--tol", "0"], capture_output=True, text=True, timeout=300)
+    assert "before any step: max |dlogp|" in done.stdout and "tol 1.000e-04" in done.stdout
+    # a step that changes nothing leaves the engine "in sync" without a sync: the check cannot
+    # tell, so it must fail rather than pass
+    done = subprocess.run([*args, "--lr", "0"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "FAIL" in done.stdout, done.stdout
+    assert "raise --lr" in done.stdout
 
 
 def _refused_engine(rank, world_size, hf_dir, engine_dir, shm_dir):

@@ -17,6 +17,7 @@ SMOKE = {
     "bench_reward.py": ["--pairs", "40", "--warm", "4"],
     "bench_rollout.py": ["--quick", "--repeats", "1"],
     "bench_weight_sync.py": ["--quick", "--repeats", "1"],
+    "bench_e2e.py": ["--quick", "--prompts", "2", "--group", "2", "--tokens", "8"],
 }
 
 

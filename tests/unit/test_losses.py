@@ -251,3 +251,20 @@ def test_metrics_merge_over_micro_batches_equals_whole_batch():
     torch.testing.assert_close(whole["cov_mean"], cov.mean())
     frac = (w < 0.5).double().mean()
     torch.testing.assert_close(whole["weight_frac_below_half"], frac)
+
+
+def test_clip_fractions_count_where_the_clip_cuts_the_gradient():
+    """clip_frac_high: A > 0 and rho > 1 + eps_high; clip_frac_low: A < 0 and rho < 1 - eps_low;
+    both over all counted tokens. Tokens clipped on the side that keeps the gradient count in
+    neither."""
+    cfg = AlgoConfig(clip_eps_low=0.2, clip_eps_high=0.3)
+    rho = torch.tensor([[1.5, 1.1, 0.5, 1.5, 0.5, 0.9, 0.5, 2.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]], dtype=torch.float64)  # the last is padding
+    old = torch.zeros_like(rho)
+    _, _, out = run_loss("grpo", cfg, rho.log(), old, old, adv * mask, mask)
+    final = finalize(out.metrics)
+    # high: token 0 (1.5 > 1.3, A > 0); low: tokens 2 and 6 (0.5 < 0.8, A < 0); not token 3
+    # (rho high, A < 0: unclipped wins) or 4 (rho low, A > 0), nor the padded token 7
+    assert float(final["clip_frac_high"]) == pytest.approx(1 / 7)
+    assert float(final["clip_frac_low"]) == pytest.approx(2 / 7)

@@ -40,7 +40,27 @@ def test_dump_round_trip(tmp_path):
     ("overrides", "message"),
     [
         pytest.param(["algo.policy_los=grpo"], "unknown key 'algo.policy_los'", id="unknown-key"),
-        pytest.param(["model.x=1"], "unknown key 'model'", id="unknown-section"),
+        pytest.param(["modle.path=x"], "unknown key 'modle'", id="unknown-section"),
+        pytest.param(["model.x=1"], "unknown key 'model.x'", id="unknown-model-key"),
+        pytest.param(["data.train_files=a.jsonl"], "must be a list such as [a, b]", id="list-type"),
+        pytest.param(["data.train_files=[1]"], "data.train_files[0]=1", id="list-item"),
+        pytest.param(
+            ["rollout.max_tokens=4000"],
+            "data.max_prompt_tokens=512 + rollout.max_tokens=4000 exceed rollout.max_model_len",
+            id="prompt-plus-completion",
+        ),
+        pytest.param(
+            ["train.total_steps=5", "train.ppo_mini_batches=2", "train.prompts_per_step=12"],
+            "must be a multiple of train.ppo_mini_batches=2",
+            id="steps-vs-mini-batches",
+        ),
+        pytest.param(["eval.benchmarks=[heldout]"], "data.heldout_size=0", id="heldout-empty"),
+        pytest.param(["eval.benchmarks=[gsm8k]"], "choose one of: aime24", id="bad-benchmark"),
+        pytest.param(["run.export_hf=always"], "never, on_save, at_end", id="export"),
+        pytest.param(["run.keep_last=0"], "run.keep_last=0 is out of range", id="keep"),
+        pytest.param(["logging.wandb_mode=cloud"], "disabled, offline, online", id="wandb"),
+        pytest.param(["model.chat_template=chatml"], "auto, qwen2.5", id="template"),
+        pytest.param(["reward.repetition_max_penalty=1"], "must be <= 0", id="penalty"),
         pytest.param(
             ["algo.policy_loss=ppo"],
             "algo.policy_loss='ppo' is not allowed; choose one of: clip_cov, cw_grpo, grpo, kl_cov",
@@ -71,6 +91,30 @@ def test_bad_yaml_top_level(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match="top level must be a mapping"):
         load_config(path)
+
+
+def test_later_config_files_win_key_by_key(tmp_path):
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("train:\n  seed: 1\n  group_size: 3\nreward:\n  weights: {format: 1}\n")
+    second.write_text("train:\n  seed: 2\nreward:\n  weights: {accuracy: 2}\n")
+    cfg = load_config([first, second], ["train.group_size=5"])
+    assert (cfg.train.seed, cfg.train.group_size) == (2, 5)
+    # a mapping-valued key is replaced, not merged: the later file names the whole reward
+    assert cfg.reward.weights == {"accuracy": 2.0}
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_config([first, tmp_path / "missing.yaml"])
+    (tmp_path / "broken.yaml").write_text("train: [1\n")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        load_config(tmp_path / "broken.yaml")
+
+
+def test_batch_algebra_names_the_fix():
+    cfg = load_config(overrides=["train.prompts_per_step=6", "train.group_size=2"])
+    assert cfg.check_world(2) == 2 and cfg.rollout_steps == cfg.train.total_steps
+    with pytest.raises(ValueError, match="make train.prompts_per_step / train.ppo_mini_batches a"):
+        cfg.check_world(4)
+    with pytest.raises(ValueError, match="not a multiple of tp x pp = 2"):
+        load_config(overrides=["parallel.tp=2"]).check_world(3)
 
 
 def test_config_is_keyword_only_and_frozen():

@@ -178,6 +178,51 @@ def test_cosine_length_reward_is_clamped():
 def test_weighted_combination_and_registry():
     combo = WeightedReward({"format": 0.5})
     assert combo(completions=["x\n</think>\ny", "x"], answers=["", ""]) == [0.5, 0.0]
-    assert REWARDS.names() == ["accuracy", "cosine_length", "format"]
+    assert REWARDS.names() == ["accuracy", "cosine_length", "format", "repetition"]
     with pytest.raises(ValueError, match="unknown reward 'length'; choose one of: accuracy"):
         get_reward("length")
+
+
+def test_repetition_reward_is_open_r1_penalty():
+    reward = get_reward("repetition", ngram=2, max_penalty=-2.0)
+    completions = [
+        "a b c d",  # 3 distinct bigrams
+        "a b a b a b",  # 5 bigrams, 2 distinct: 1 - 2/5
+        "one",  # fewer words than n
+        "A b a B",  # lower-cased: (a b) (b a) (a b) -> 1 - 2/3
+    ]
+    scores = reward(completions=completions, answers=[""] * 4)
+    assert scores == pytest.approx([0.0, -2.0 * 0.6, 0.0, -2.0 / 3])
+    assert all(math.copysign(1.0, s) > 0 for s in scores if s == 0)  # no -0.0 in the logs
+    with pytest.raises(ValueError, match="max_penalty must be <= 0"):
+        get_reward("repetition", max_penalty=0.5)
+
+
+def test_weighted_reward_verifies_each_completion_once():
+    """accuracy and cosine_length both need math-verify's verdict: one verification serves
+    both, and score() returns each part, the sum and the verdict."""
+    combo = WeightedReward(
+        {"accuracy": 1.0, "cosine_length": 0.5, "format": 2.0},
+        workers=1,
+        timeout_s=10.0,
+        cosine_length={"max_len": 10},
+    )
+    completions = ["x\n</think>\n\\boxed{4}", "\\boxed{5}"]
+    with combo:
+        out = combo.score(completions=completions, answers=["4", "4"], completion_lengths=[0, 10])
+        assert combo.stats.total == 2  # one verification per completion, not two
+        assert out.correct == [1.0, 0.0]
+        assert out.parts == {
+            "accuracy": [1.0, 0.0],
+            "cosine_length": pytest.approx([1.0, -0.5]),
+            "format": [1.0, 0.0],
+        }
+        assert out.total == pytest.approx([1.0 + 0.5 + 2.0, 0.0 - 0.25 + 0.0])
+        assert combo(completions=completions, answers=["4", "4"], completion_lengths=[0, 10]) == (
+            pytest.approx(out.total)
+        )
+        assert combo.stats.total == 4
+        # a part that needs no verdict does not start the verifier
+        only_format = WeightedReward({"format": 1.0})
+        assert only_format(completions=completions, answers=["", ""]) == [1.0, 0.0]
+        assert only_format.stats.total == 0

@@ -58,6 +58,7 @@ def test_rollout_config_builds_the_engine_and_sampling(hf_dir):
             "rollout.top_p=0.9",
             "rollout.max_tokens=8",
             "rollout.max_model_len=64",
+            "data.max_prompt_tokens=56",
             "train.temperature=0.6",
         ]
     )

@@ -1,0 +1,106 @@
+"""The metrics line of a training step: names, and the values that come from the rollouts.
+
+    reward/mean, reward/std           weighted reward over all P x G completions (population std)
+    reward/<name>                     each reward function's own mean score
+    accuracy/mean                     share of completions math-verify finds correct
+    response_length/mean, /max        completion tokens
+    response_length/clip_ratio        share of completions cut at rollout.max_tokens
+    response/repetition_4gram         mean share of repeated word 4-grams
+    groups/frac_zero_std              share of prompt groups whose rewards are all equal (A = 0)
+    actor/*, cw/*, rollout/gap_*      the loss's metrics (`algo.metrics`, reduced over the global
+                                      batch), averaged over the step's PPO mini-batches
+    sync/gap, sync/tol                engine-vs-trainer log-prob gap after the sync and the
+                                      check's tolerance, on steps where run.verify_sync checks
+    timing_s/<phase>, perf/tokens_per_s
+
+cw/sigma is the population std of the covariance c over all counted tokens (the kernel's
+bandwidth in the global scope), cw/ess the effective sample size of the weights as a share of
+the tokens, ESS / N = 1 / E[w~^2].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from cwgrpo_megatron.reward.repetition import repeated_ngram_fraction
+
+# the loss's metric name (algo.metrics / algo.losses) -> the logged name
+LOSS_METRIC_NAMES = {
+    "entropy_mean": "actor/entropy",
+    "kl_mean": "actor/kl",
+    "clip_frac_low": "actor/clip_frac_low",
+    "clip_frac_high": "actor/clip_frac_high",
+    "ratio_mean": "actor/ratio_mean",
+    "tis_weight_mean": "actor/tis_weight_mean",
+    "clip_cov_frac": "actor/clip_cov_frac",
+    "kl_cov_frac": "actor/kl_cov_frac",
+    "cov_mean": "cw/cov_mean",
+    "cov_std": "cw/sigma",
+    "weight_min": "cw/w_min",
+    "weight_max": "cw/w_max",
+    "weight_frac_below_half": "cw/frac_w_below_half",
+    "weight_ess_frac": "cw/ess",
+    "rollout_gap_mean": "rollout/gap_mean",
+    "rollout_gap_max": "rollout/gap_max",
+}
+# parts of derived metrics, not worth a line of their own
+_UNLOGGED = {"cov_sq_mean", "weight_sq_mean"}
+PHASES = ("rollout", "reward", "old_logp", "train", "sync", "eval", "checkpoint", "step")
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def rollout_metrics(groups) -> dict[str, float]:
+    """Metrics of the step's scored groups (`reward.scoring.ScoredGroup`), on the host."""
+    rewards = [r for g in groups for r in g.rewards]
+    mean = _mean(rewards)
+    completions = [c for g in groups for c in g.completions]
+    lengths = [len(c.token_ids) for c in completions]
+    out = {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(_mean([(r - mean) ** 2 for r in rewards])),
+        "accuracy/mean": _mean([x for g in groups for x in g.correct]),
+        "response_length/mean": _mean(lengths),
+        "response_length/max": float(max(lengths, default=0)),
+        "response_length/clip_ratio": _mean([c.finish_reason == "length" for c in completions]),
+        "response/repetition_4gram": _mean(
+            [repeated_ngram_fraction(t, 4) for g in groups for t in g.texts]
+        ),
+        "groups/frac_zero_std": _mean([len(set(g.rewards)) == 1 for g in groups]),
+    }
+    for name in groups[0].parts if groups else ():
+        out[f"reward/{name}"] = _mean([x for g in groups for x in g.parts[name]])
+    return out
+
+
+def actor_metrics(results) -> dict[str, float]:
+    """The step's optimizer updates (`train_step.StepResult`s), averaged over mini-batches."""
+    out = {
+        "actor/loss": _mean([r.loss for r in results]),
+        "actor/grad_norm": _mean([r.grad_norm for r in results]),
+        "actor/lr": results[-1].lr,
+        "actor/skipped_updates": float(sum(r.skipped for r in results)),
+    }
+    for name in results[0].metrics:
+        if name not in _UNLOGGED:
+            key = LOSS_METRIC_NAMES.get(name, f"actor/{name}")
+            out[key] = _mean([r.metrics[name] for r in results])
+    return out
+
+
+def step_tokens(groups) -> int:
+    """Prompt and completion tokens of every sequence of the step (no padding)."""
+    return sum(len(g.prompt_ids) * len(g.completions) for g in groups) + sum(
+        len(c.token_ids) for g in groups for c in g.completions
+    )
+
+
+def timing_metrics(seconds: dict[str, float], *, tokens: int) -> dict[str, float]:
+    """timing_s/<phase> for every phase (0 when it did not run) and perf/tokens_per_s: prompt
+    and completion tokens of the step's batch per second of the whole step."""
+    out = {f"timing_s/{phase}": float(seconds.get(phase, 0.0)) for phase in PHASES}
+    out["perf/tokens_per_s"] = tokens / max(out["timing_s/step"], 1e-9)
+    return out

@@ -1,0 +1,109 @@
+"""Train a policy with CW-GRPO: parse, build, train, close.
+
+    python -m cwgrpo_megatron.train --config FILE [--config FILE2 ...] [section.key=value ...]
+    torchrun --nproc-per-node N -m cwgrpo_megatron.train --config FILE ...   (any TP x PP x DP)
+
+Later files and overrides win. The run writes into run.out_dir (see `run_dir`) and continues
+from its newest checkpoint when started again (run.resume=auto). Exit code 0 on success; on
+failure 1, with the error printed on every rank (a rank whose peer failed says which one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+HELP_EPILOG = """\
+examples:
+  python -m cwgrpo_megatron.train --config configs/tiny_cpu.yaml model.path=/tmp/tiny
+  torchrun --nproc-per-node 8 -m cwgrpo_megatron.train --config configs/qwen2p5_math_7b.yaml \\
+      model.path=/models/Qwen2.5-Math-7B data.train_files=[/data/open-rs/train.jsonl]
+
+Every key of every section is documented in cwgrpo_megatron/config.py."""
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m cwgrpo_megatron.train",
+        description=__doc__.split("\n\n")[0],
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="FILE", help="YAML overrides (repeatable)"
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.seed=3")
+    return parser.parse_args(argv)
+
+
+def setup_logging(rank: int) -> None:
+    """INFO on rank 0, errors only elsewhere (every rank would repeat rank 0's warnings);
+    each line names its rank."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.ERROR,
+        format=f"[%(asctime)s rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    for noisy in ("vllm", "megatron", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Failures reported by their message alone: bad input, a peer's failure, a failed sync
+    check, a rollout that failed on the engine's rank, a reward function that raised."""
+    from cwgrpo_megatron.dist import PeerFailure
+    from cwgrpo_megatron.megatron.sync_check import SyncMismatchError
+    from cwgrpo_megatron.reward import RewardError
+    from cwgrpo_megatron.rollout.distributed import RemoteRolloutError
+
+    return (ValueError, PeerFailure, SyncMismatchError, RemoteRolloutError, RewardError)
+
+
+def run(argv=None, *, default_config: str | None = None) -> int:
+    """Parse, build, train, close, in an initialised process group; the exit code.
+    `default_config` (a launcher's recipe) is used when no --config is given."""
+    args = parse(argv)
+    if not args.config and default_config is not None:
+        args.config = [default_config]
+    import torch.distributed as dist
+
+    from cwgrpo_megatron.build import build_trainer
+    from cwgrpo_megatron.config import load_config
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    setup_logging(rank)
+    log = logging.getLogger("cwgrpo_megatron.train")
+    try:
+        trainer = build_trainer(load_config(args.config, args.overrides))
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+        log.info("done: %s", trainer.run.root)
+        return 0
+    except Exception as err:
+        # what a user can act on is its message; anything else (a bug) keeps its traceback
+        if isinstance(err, user_errors()):
+            print(f"[rank {rank}] error: {err}", file=sys.stderr, flush=True)
+        else:
+            log.exception("training failed")
+        return 1
+
+
+def main(argv=None, *, default_config: str | None = None) -> int:
+    """`run` in the process group of torchrun's environment, or of this process alone."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
+
+    init_distributed()
+    try:
+        return run(argv, default_config=default_config)
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""The CW-GRPO training loop (DESIGN section 4): one call per phase, into the package that owns it.
+
+Step k (1-based), on every rank of the job:
+
+    1. prompts     the sampler draws the step's P prompts (the same on every rank); each
+                   data-parallel replica takes its own whole prompt groups (`shard_prompts`)
+    2. rollouts    G completions per prompt from the engine on rank 0; prompt j of step k is
+                   sampled with `rollout_seed(train.seed, k, j)`, whatever the layout or history
+    3. rewards     one rank per replica (tp rank 0, first stage) scores its own groups, so each
+                   completion is scored once in the whole job; one all-gather then gives every
+                   rank the whole step
+    4. advantages  per group, and the TrainBatch (identical on every rank)
+    5-9.           `train_step`: micro-batches, forward-only pass, scope statistics, 1F1B
+                   training pass, optimizer step, metrics reduced once
+    10. sync       the weights go into the engine; every run.verify_sync steps it is checked
+    then the metrics line, evaluation and checkpoint, each when due.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from cwgrpo_megatron.algo.advantages import get_advantage_estimator
+from cwgrpo_megatron.config import Config
+from cwgrpo_megatron.data.batching import batch_from_rollouts, shard_prompts
+from cwgrpo_megatron.data.prompts import PromptSampler
+from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, world_group
+from cwgrpo_megatron.eval.runner import evaluate, write_json
+from cwgrpo_megatron.megatron import parallel, train_checkpoint
+from cwgrpo_megatron.megatron.conversion import export_hf
+from cwgrpo_megatron.megatron.train_step import train_step
+from cwgrpo_megatron.megatron.weight_sync import sync_weights
+from cwgrpo_megatron.reward.scoring import score_groups
+from cwgrpo_megatron.rollout.base import SamplingConfig, rollout_seed
+from cwgrpo_megatron.run_dir import write_samples
+from cwgrpo_megatron.step_metrics import (
+    actor_metrics,
+    rollout_metrics,
+    step_tokens,
+    timing_metrics,
+)
+from cwgrpo_megatron.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from cwgrpo_megatron.convert.arch import ModelArch
+    from cwgrpo_megatron.data.prompt_set import PromptSet
+    from cwgrpo_megatron.data.prompts import Problem, PromptFormat
+    from cwgrpo_megatron.megatron.sync_check import SyncVerifier
+    from cwgrpo_megatron.megatron.train_step import Actor
+    from cwgrpo_megatron.reward import WeightedReward
+    from cwgrpo_megatron.rollout.base import RolloutEngine
+    from cwgrpo_megatron.rollout.distributed import DistributedRollout
+    from cwgrpo_megatron.run_dir import RunDir
+    from cwgrpo_megatron.tracking import Tracker
+
+
+@dataclass
+class LoopState:
+    """What a resumed run needs besides the actor's checkpoint (model, optimizer, LR schedule,
+    every rank's RNG): the steps done and the prompt sampler's position. Rollout seeds are a
+    function of (train.seed, step, prompt), so nothing of the engine's history is needed."""
+
+    step: int
+    sampler: PromptSampler
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+
+
+class StepPrompts(NamedTuple):
+    """This rank's share of a step's prompts: positions in the step, problems, prompt token ids
+    and sampling seeds (all empty on ranks that do not lead a replica)."""
+
+    positions: list[int]
+    problems: list[Problem]
+    token_ids: list[list[int]]
+    seeds: list[int]
+
+
+@dataclass(kw_only=True)
+class Trainer:
+    """The parts of a run (built by `build.build_trainer`); rank-specific ones are None where a
+    rank has no use for them: the engine lives on rank 0, the reward on each replica's leader,
+    the evaluation benchmarks on rank 0."""
+
+    cfg: Config
+    actor: Actor
+    arch: ModelArch
+    engine: RolloutEngine | None
+    rollout: DistributedRollout
+    reward: WeightedReward | None
+    tokenizer: object
+    prompt_format: PromptFormat
+    train_set: PromptSet
+    benchmarks: dict[str, list[Problem]] | None
+    run: RunDir
+    state: LoopState
+    tracker: Tracker
+    verifier: SyncVerifier | None
+
+    def fit(self) -> None:
+        while self.state.step < self.cfg.rollout_steps:
+            self.train_one_step()
+        if self.cfg.run.export_hf == "at_end":
+            self.export()
+
+    def train_one_step(self) -> dict[str, float]:
+        """Step `state.step + 1`, phase by phase (the module docstring); its metrics line."""
+        cfg, timer, step = self.cfg, PhaseTimer(), self.state.step + 1
+        with timer("step"):
+            prompts = self.draw_prompts(step)
+            with timer("rollout"):
+                groups = self.rollout.generate(
+                    prompts.token_ids, cfg.train.group_size, cfg.sampling(), seeds=prompts.seeds
+                )
+            with timer("reward"):
+                scored = self.score(prompts, groups)
+            batch = batch_from_rollouts(
+                scored,
+                torch.tensor([g.rewards for g in scored]),
+                mask_truncated=cfg.train.mask_truncated,
+                estimator=get_advantage_estimator(cfg.algo.advantage_estimator),
+                std_normalize=cfg.algo.adv_std_normalize,
+                adv_eps=cfg.algo.adv_eps,
+            )
+            results = train_step(self.actor, batch, timer=timer)
+            with timer("sync"):
+                checked = self.sync(step)
+            metrics = {**rollout_metrics(scored), **actor_metrics(results), **checked}
+            self.write_samples(step, scored)
+            if _due(step, cfg.run.eval_every, cfg.rollout_steps) and self.cfg.eval.benchmarks:
+                with timer("eval"):
+                    metrics.update(self.evaluate(step))
+            self.state.step = step
+            if _due(step, cfg.run.save_every, cfg.rollout_steps, always_last=True):
+                with timer("checkpoint"):
+                    partial = timing_metrics(timer.seconds, tokens=step_tokens(scored))
+                    self.save({"step": step, **metrics, **partial})
+        metrics.update(timing_metrics(timer.seconds, tokens=step_tokens(scored)))
+        self.tracker.log(step, metrics)
+        return metrics
+
+    # ---- the phases ----------------------------------------------------------------------
+
+    def draw_prompts(self, step: int) -> StepPrompts:
+        """This replica's prompt groups of the step (every rank advances the sampler alike);
+        the replica's leader sends them to the engine, its model-parallel peers send none."""
+        t = self.cfg.train
+        indices = self.state.sampler.next_indices(t.prompts_per_step)
+        dp_rank, dp_size = parallel.data_parallel()
+        positions = []
+        if parallel.is_model_parallel_leader():
+            positions = shard_prompts(
+                t.prompts_per_step,
+                mini_batches=t.ppo_mini_batches,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+            )
+        return StepPrompts(
+            positions=positions,
+            problems=[self.train_set.problems[indices[j]] for j in positions],
+            token_ids=[self.train_set.token_ids[indices[j]] for j in positions],
+            seeds=[rollout_seed(t.seed, step, j, t.group_size) for j in positions],
+        )
+
+    def score(self, prompts: StepPrompts, groups) -> list:
+        """Each leader scores its groups; one all-gather assembles the step's `ScoredGroup`s on
+        every rank, in prompt order."""
+
+        def mine():
+            if self.reward is None:
+                return []
+            return score_groups(
+                prompts.positions,
+                prompts.problems,
+                groups,
+                tokenizer=self.tokenizer,
+                reward=self.reward,
+            )
+
+        pieces = all_gather_or_fail(mine, "scoring the rollouts", world_group())
+        return sorted((g for piece in pieces for g in piece), key=lambda g: g.position)
+
+    def sync(self, step: int) -> dict[str, float]:
+        """Weights into the engine; when the check is due, its gap and tolerance."""
+        sync_weights(self.actor.model, self.arch, self.engine, dtype=self.cfg.engine_dtype)
+        every = self.cfg.run.verify_sync
+        if not every or step % every:
+            return {}
+        gap = self.verifier.check(self.actor.model, self.arch, self.engine)
+        return {"sync/gap": gap, "sync/tol": self.verifier.tol}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Benchmarks through the engine on rank 0 (the other ranks wait for its verdict)."""
+        e, metrics = self.cfg.eval, {}
+        with fail_together("evaluation", world_group()):
+            if self.engine is not None:
+                sampling = SamplingConfig(
+                    temperature=e.temperature,
+                    top_p=e.top_p,
+                    max_tokens=e.max_tokens or self.cfg.rollout.max_tokens,
+                    seed=e.seed,
+                )
+                result = evaluate(
+                    self.engine,
+                    self.tokenizer,
+                    self.benchmarks,
+                    n=e.n,
+                    sampling=sampling,
+                    prompt_format=self.prompt_format,
+                    reward=self.reward.verifier,
+                    progress=False,
+                )
+                write_json(result, self.run.eval(step))
+                for bench, summary in result["summary"].items():
+                    for key in (f"avg@{e.n}", f"pass@{e.n}"):
+                        metrics[f"eval/{bench}/{key}"] = summary[key]
+        return metrics
+
+    def save(self, line: dict) -> None:
+        data_state = {"loop": self.state.state_dict(), "metrics": line}
+        train_checkpoint.save(
+            self.actor,
+            self.run.checkpoints,
+            data_state=data_state,
+            keep_last=self.cfg.run.keep_last,
+        )
+        if self.cfg.run.export_hf == "on_save":
+            self.export()
+
+    def export(self) -> None:
+        export_hf(
+            self.actor.model,
+            self.arch,
+            self.run.hf,
+            side_files_from=self.cfg.model.path,
+            dtype=self.cfg.train.params_dtype,
+        )
+
+    def write_samples(self, step: int, scored) -> None:
+        if not self.tracker.enabled:
+            return
+        records = [
+            {
+                "step": step,
+                "position": g.position,
+                "problem_id": g.problem_id,
+                "prompt": self.tokenizer.decode(g.prompt_ids, skip_special_tokens=False),
+                "answer": g.answer,
+                "completion": text,
+                "tokens": len(c.token_ids),
+                "finish_reason": c.finish_reason,
+                "reward": reward,
+                "parts": {name: values[i] for name, values in g.parts.items()},
+                "correct": g.correct[i],
+            }
+            for g in scored
+            for i, (c, text, reward) in enumerate(
+                zip(g.completions, g.texts, g.rewards, strict=True)
+            )
+        ]
+        write_samples(self.run.samples(step, gzipped=self.cfg.run.samples_gzip), records)
+
+    def close(self) -> None:
+        """Release what the run holds: sinks, reward workers, Megatron's groups, the engine (an
+        in-process vLLM engine ends torch.distributed's default group: it goes last)."""
+        self.tracker.close()
+        if self.reward is not None:
+            self.reward.close()
+        parallel.destroy()
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def _due(step: int, every: int, last: int, *, always_last: bool = False) -> bool:
+    """Every `every` steps (0: never), and at the last step when `every` > 0 or always_last."""
+    if step == last:
+        return always_last or every > 0
+    return every > 0 and step % every == 0

@@ -1,0 +1,135 @@
+"""Bad input to the trainer: a clear error on every rank, no rank left waiting, and the
+checkpoints of earlier runs intact. Two gloo processes at TP2 (so that some failures happen on
+one rank only) run every case in turn through `cwgrpo_megatron.train.run`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny_cpu.yaml"
+
+
+def _cases(root: Path, model: Path) -> dict[str, list[str]]:
+    good = root / "good.jsonl"
+    good.write_text(
+        "".join(
+            json.dumps({"problem": f"{i} + {i}", "answer": str(2 * i)}) + "\n" for i in range(12)
+        )
+    )
+    bad = root / "bad.jsonl"
+    bad.write_text(good.read_text() + '{"problem": "no answer"}\n')
+    blocker = root / "a_file"
+    blocker.write_text("")
+
+    def args(out: str, *extra: str) -> list[str]:
+        return [
+            "--config",
+            str(TINY),
+            f"model.path={model}",
+            f"run.out_dir={root / out}",
+            f"data.train_files=[{good}]",
+            "data.heldout_size=0",
+            "eval.benchmarks=[]",
+            "rollout.backend=torch",
+            "parallel.tp=2",
+            *extra,
+        ]
+
+    return {
+        "missing-model": args("m", f"model.path={root / 'no_such_model'}"),
+        "malformed-row": args(
+            "r", f"data.train_files=[{bad}]", "data.schema=answer", "data.skip_bad_rows=false"
+        ),
+        "all-prompts-too-long": args("l", "data.max_prompt_tokens=2"),
+        "unknown-key": args("k", "train.sead=1"),
+        "batch-algebra": args("b", "parallel.tp=1", "train.prompts_per_step=3"),
+        "unwritable-out-dir": args("u", f"run.out_dir={blocker / 'run'}"),
+        "first-step": args("w", "train.total_steps=1"),
+        "reward-raises": args(
+            "w", "train.total_steps=3", "reward.weights={explodes: 1.0}", "run.resume=auto"
+        ),
+    }
+
+
+def _run_cases(rank, world_size, root: str, model: str) -> dict:
+    import torch
+
+    from cwgrpo_megatron.reward import Reward, register_reward
+    from cwgrpo_megatron.train import run
+
+    torch.set_num_threads(1)
+
+    @register_reward("explodes")
+    class Explodes(Reward):
+        def __call__(self, *, completions, answers, **_):
+            raise RuntimeError("the reward server is down")
+
+    out = {}
+    for name, argv in _cases(Path(root), Path(model)).items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = run(argv)
+        out[name] = (code, err.getvalue())
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("errors")
+    model = save_tiny_qwen2(root / "tiny", end_tokens=32)
+    return root, run_distributed(_run_cases, 2, str(root), str(model), timeout=400)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        pytest.param("missing-model", "no_such_model' is not a folder", id="missing-model"),
+        pytest.param("malformed-row", "bad.jsonl:13: field 'answer' is missing", id="bad-row"),
+        pytest.param(
+            "all-prompts-too-long",
+            "all 12 prompts are longer than data.max_prompt_tokens=2",
+            id="too-long",
+        ),
+        pytest.param("unknown-key", "unknown key 'train.sead'", id="unknown-key"),
+        pytest.param(
+            "batch-algebra", "3 prompts per mini-batch do not split over dp=2", id="algebra"
+        ),
+        pytest.param("unwritable-out-dir", "cannot be written", id="out-dir"),
+        pytest.param("reward-raises", "the reward server is down", id="reward"),
+    ],
+)
+def test_bad_input_is_a_clear_error_on_every_rank(case, message, results):
+    _, per_rank = results
+    for rank, outcome in enumerate(per_rank):
+        code, err = outcome[case]
+        assert code == 1, f"rank {rank} exited {code}:\n{err}"
+        assert message in err, f"rank {rank} said:\n{err}"
+        assert "Traceback" not in err, f"rank {rank} printed a traceback for bad input:\n{err}"
+
+
+def test_a_failure_on_one_rank_names_that_rank_on_the_others(results):
+    _, (rank0, rank1) = results
+    # only rank 0 prepares the run folder, only the TP leader scores: rank 1 learns it from them
+    for case in ("unwritable-out-dir", "reward-raises"):
+        assert "failed on rank 0" in rank1[case][1], rank1[case][1]
+        assert "failed on rank" not in rank0[case][1]
+
+
+def test_a_failed_step_keeps_the_earlier_checkpoints(results):
+    root, (rank0, _) = results
+    assert rank0["first-step"][0] == 0, rank0["first-step"][1]
+    checkpoints = root / "w" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000001"]
+    assert (checkpoints / "step_00000001" / "train_state.json").is_file()
+    rows = [json.loads(x) for x in (root / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]

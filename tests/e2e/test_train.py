@@ -1,0 +1,242 @@
+"""The trainer end to end on a tiny random Qwen2, as users start it: `python -m
+cwgrpo_megatron.train`, torchrun on the launcher, the launcher's bash form, resume after
+SIGKILL, the HF export."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from cwgrpo_megatron.megatron.launch import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "examples" / "train_cwgrpo_7b.sh"
+KILL_SCRIPT = Path(__file__).with_name("kill_script.py")
+TINY = REPO / "configs" / "tiny_cpu.yaml"
+FILES = ("config.yaml", "env.json", "metrics.jsonl", "samples", "tb", "checkpoints", "hf")
+METRICS = (
+    "step",
+    "reward/mean",
+    "reward/std",
+    "reward/accuracy",
+    "reward/cosine_length",
+    "reward/repetition",
+    "accuracy/mean",
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "actor/kl",
+    "actor/clip_frac_low",
+    "actor/clip_frac_high",
+    "actor/lr",
+    "cw/sigma",
+    "cw/w_min",
+    "cw/w_max",
+    "cw/frac_w_below_half",
+    "cw/ess",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/clip_ratio",
+    "response/repetition_4gram",
+    "rollout/gap_mean",
+    "rollout/gap_max",
+    "groups/frac_zero_std",
+    *(f"timing_s/{p}" for p in ("rollout", "reward", "old_logp", "train", "sync", "eval")),
+    "timing_s/checkpoint",
+    "timing_s/step",
+    "perf/tokens_per_s",
+)
+
+
+def launch(cmd: list[str], *, env: dict | None = None, timeout: float = 420):
+    """(exit code, output) of `cmd`, run in its own session with output in a file (a SIGKILLed
+    trainer can leave helper processes that would hold pipes open); afterwards its whole
+    process group is killed. A run past `timeout` gives code 124 and what it printed."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PATH"] = f"{Path(sys.executable).parent}:{full_env['PATH']}"  # torchrun
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=full_env,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = 124
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        out.seek(0)
+        return code, out.read()
+
+
+def train_args(model: Path, out: Path, *extra: str) -> list[str]:
+    return ["--config", str(TINY), f"model.path={model}", f"run.out_dir={out}", *extra]
+
+
+def python_train(model: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "cwgrpo_megatron.train", *train_args(model, out, *extra)]
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [
+        "torchrun",
+        "--nnodes",
+        "1",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "--nproc-per-node",
+        str(nproc),
+    ]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
+
+
+def check_run_folder(out: Path, steps: int) -> list[dict]:
+    for name in FILES:
+        assert (out / name).exists(), f"{name} missing from the run folder"
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row in rows:
+        missing = set(METRICS) - set(row)
+        assert not missing, f"step {row['step']} lacks {sorted(missing)}"
+        bad = {
+            k: v for k, v in row.items() if not (isinstance(v, int | float) and math.isfinite(v))
+        }
+        assert not bad, f"non-finite metrics: {bad}"
+    env = json.loads((out / "env.json").read_text())
+    assert env["versions"]["torch"] and env["hostnames"] and "tp" in env["layout"]
+    samples = out / "samples" / f"step_{steps:08d}.jsonl.gz"
+    records = [json.loads(x) for x in gzip.decompress(samples.read_bytes()).splitlines()]
+    assert len(records) == 16  # 4 prompts x 4 completions
+    assert {"prompt", "completion", "reward", "finish_reason", "parts"} <= set(records[0])
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "hf", end_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tiny, tmp_path_factory) -> Path:
+    """The reference: 3 steps with the vLLM engine in one process, a checkpoint every step."""
+    out = tmp_path_factory.mktemp("vllm") / "run"
+    code, log = launch(python_train(tiny, out, "run.verify_sync=1"))
+    assert code == 0, log
+    return out
+
+
+def test_one_process_with_vllm_writes_the_whole_run_folder(vllm_run):
+    rows = check_run_folder(vllm_run, steps=3)
+    assert all(r["sync/gap"] <= r["sync/tol"] == 1e-4 for r in rows)
+    assert rows[-1]["eval/heldout/avg@2"] >= 0.0  # run.eval_every=3: the last step evaluates
+    assert any(r["groups/frac_zero_std"] < 1 for r in rows), "no step had a reward signal"
+    assert rows[-1]["actor/kl"] > 0, "the policy never moved away from the reference"
+    steps = sorted(p.name for p in (vllm_run / "checkpoints").iterdir())
+    assert steps == ["step_00000002", "step_00000003"]  # run.keep_last=2
+
+
+def test_torch_engine_from_a_megatron_checkpoint_and_its_hf_export(tiny, tmp_path):
+    ckpt = tmp_path / "megatron"
+    converted = subprocess.run(
+        [
+            sys.executable,
+            "tools/convert_hf_to_megatron.py",
+            "--hf-dir",
+            str(tiny),
+            "--out",
+            str(ckpt),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert converted.returncode == 0, converted.stderr
+    out = tmp_path / "run"
+    code, log = launch(python_train(ckpt, out, "rollout.backend=torch"))
+    assert code == 0, log
+    check_run_folder(out, steps=3)
+    from tests.e2e.export_check import export_matches_checkpoint
+
+    worst = export_matches_checkpoint(out / "hf", out / "checkpoints" / "step_00000003", tiny)
+    assert worst < 1e-5, worst
+
+
+def _check_two_process_run(out: Path, code: int, log: str, layout: dict) -> None:
+    assert code == 0, log
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert json.loads((out / "env.json").read_text())["layout"] == layout
+    # verify_sync after every step: the engine scores like the trainer, which has moved
+    assert all(r["sync/gap"] <= r["sync/tol"] for r in rows), rows
+    assert rows[-1]["actor/kl"] > 0
+
+
+def test_torchrun_on_the_launcher_at_tp2(tiny, tmp_path):
+    out = tmp_path / "run"
+    extra = ("parallel.tp=2", "run.verify_sync=1", "train.total_steps=2")
+    code, log = launch([*torchrun(2), str(LAUNCHER), *train_args(tiny, out, *extra)])
+    _check_two_process_run(out, code, log, {"tp": 2, "pp": 1, "dp": 1})
+
+
+def test_bash_launcher_at_dp2_with_the_torch_engine(tiny, tmp_path):
+    out = tmp_path / "run"
+    env = {"NNODES": "1", "GPUS_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+    # the torch engine takes the streamed sync (the TP2 run above takes vLLM's shared buffer)
+    extra = ("run.verify_sync=1", "train.total_steps=2", "rollout.backend=torch")
+    code, log = launch(["bash", str(LAUNCHER), *train_args(tiny, out, *extra)], env=env)
+    _check_two_process_run(out, code, log, {"tp": 1, "pp": 1, "dp": 2})
+
+
+@pytest.mark.parametrize(
+    ("where", "count", "left"),
+    [
+        # killed in step 2's update: step 1's checkpoint is the newest
+        pytest.param("in-step", 2, ["step_00000001"], id="kill-in-step-2"),
+        # killed in the save of step 2, files written but not renamed: step 1's again
+        pytest.param(
+            "in-save", 2, [".step_00000002.partial", "step_00000001"], id="kill-in-save-2"
+        ),
+    ],
+)
+def test_sigkill_then_resume_writes_the_uninterrupted_metrics(
+    where, count, left, tiny, vllm_run, tmp_path
+):
+    out = tmp_path / "run"
+    args = train_args(tiny, out, "run.verify_sync=1")
+    code, log = launch([sys.executable, str(KILL_SCRIPT), where, str(count), *args])
+    assert code == -signal.SIGKILL, log
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == left
+    code, log = launch(python_train(tiny, out, "run.verify_sync=1", "run.resume=auto"))
+    assert code == 0, log
+    assert "resumed from" in log and "at step 1" in log
+    assert without_timings(metrics(out)) == without_timings(metrics(vllm_run))
