@@ -9,8 +9,8 @@ seconds of each phase and the ratio of steps per second.
 
     ours  python -m cwgrpo_megatron.train's loop (`build_trainer`, `train_one_step`): cw_grpo,
           vLLM in-process, Megatron-Core with gloo; phases from its timing_s/* metrics
-    TRL   GRPOTrainer with its default generation (transformers `generate`; TRL's vLLM
-          colocate mode needs a GPU); phases from timers around `_generate_single_turn`
+    TRL   GRPOTrainer with its default generation (transformers `generate`; its vLLM modes
+          are not run here); phases from timers around `_generate_single_turn`
           (rollout), `_calculate_rewards` (reward), the rest of `_generate_and_score_completions`
           (old_logp: TRL computes reference log-probs there and, with one update per batch, no
           old ones), and the remainder of the step (train: forward, backward, optimizer)

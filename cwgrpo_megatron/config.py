@@ -310,7 +310,6 @@ class RolloutConfig:
 
 
 CHAT_TEMPLATES = ("auto", "qwen2.5", "r1_distill", "plain")
-BUILTIN_TOKENIZERS = ("qwen2.5", "r1_distill")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -364,7 +363,6 @@ class DataConfig:
         _check_range("data.heldout_size", self.heldout_size, low=0)
 
 
-RESUME_MODES = ("auto", "none")
 EXPORT_MODES = ("never", "on_save", "at_end")
 
 

@@ -10,10 +10,12 @@ import dataclasses
 import json
 import logging
 import math
+import uuid
 
 from tqdm import tqdm
 
 from cwgrpo_megatron.config import Config
+from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.run_dir import RunDir
 
 log = logging.getLogger("cwgrpo_megatron.train")
@@ -96,8 +98,8 @@ def _start_wandb(cfg: Config, run: RunDir):
         ) from err
     # one W&B run per run folder: a resumed start continues it
     id_file = run.root / "wandb_id"
-    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
-    id_file.write_text(run_id + "\n")
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+    write_atomic(id_file, run_id + "\n")
     return wandb.init(
         project=cfg.logging.wandb_project,
         name=cfg.logging.wandb_name or run.root.name,

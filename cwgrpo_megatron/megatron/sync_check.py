@@ -91,11 +91,13 @@ class SyncVerifier:
 
     gap_start is the engine-vs-trainer gap (`sync_gap`) while both hold the start checkpoint,
     before any training or sync: the engines' own numerical gap (their kernels, reduction
-    orders and dtypes), e.g. ~1e-6 for a tiny fp32 model, 1.8e-4 for SmolLM2-135M on vLLM's
-    CPU kernels, ~1e-2 in bf16. A sync error (a stale, missing or misplaced tensor) moves
-    log-probs by a sizeable fraction of a nat or more, while training moves the numerical gap
-    by a small factor (4.8x after an SGD step that changed log-probs by 8.3 nats, on
-    SmolLM2-135M): an order of magnitude above gap_start separates the two.
+    orders and dtypes). Measured on vLLM's CPU kernels in fp32: 4.8e-7 for the tiny test
+    Qwen2; for SmolLM2-135M 6.5e-5 on these sequences and 5.4e-4 on check_weight_sync's, so
+    that a fixed 1e-4 fails a correct sync of a real model on some sequences. A sync error (a
+    stale, missing or misplaced tensor) moves log-probs by a sizeable fraction of a nat or
+    more, while training moves the numerical gap by a small factor (SmolLM2-135M: 1.0x over two
+    training steps, 3.6x after check_weight_sync's Adam step, 4.8x after an SGD step that moved
+    log-probs by 8.3 nats): an order of magnitude above gap_start separates the two.
     """
 
     FACTOR = 10.0
@@ -122,9 +124,9 @@ class SyncVerifier:
 
 REALISTIC_STEP = ("optim.optimizer=adam", "optim.lr=1e-5", "optim.clip_grad=1.0")
 """An RL step: Adam at the top of the usual learning rates (1e-6 to 1e-5), clipped. Its first
-update moves every parameter by about lr, which changes a model's log-probs by well under a
-nat, as a training run's steps do; layout_config's default SGD step (lr 0.05) moved SmolLM2-135M's
-log-probs by 8.3 nats and grew the engines' numerical gap with it."""
+update moves every parameter by about lr: up to 0.56 nats on SmolLM2-135M's log-probs (1.2e-2
+on the tiny Qwen2), enough to see a stale engine, and far from layout_config's default SGD step
+(lr 0.05), which moved SmolLM2-135M's log-probs by 8.3 nats."""
 
 
 def run_check(
