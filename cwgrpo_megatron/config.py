@@ -11,6 +11,7 @@ import dataclasses
 import os
 import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,10 @@ from cwgrpo_megatron.algo.kl import KL_ESTIMATORS
 from cwgrpo_megatron.algo.losses import POLICY_LOSSES
 from cwgrpo_megatron.algo.scope import SCOPE_NAMES
 from cwgrpo_megatron.reward import REWARDS
+
+
+class ConfigWarning(UserWarning):
+    """A setting that is allowed but makes part of the run do nothing."""
 
 
 def _check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
@@ -55,6 +60,16 @@ class AlgoConfig:
     """PPO ratio clip below: rho >= 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
     """PPO ratio clip above: rho <= 1 + clip_eps_high."""
+    clip_ratio_c: float | None = None
+    """Dual-clip PPO (grpo, cw_grpo, clip_cov): a token with A < 0 has loss at most -A * C,
+    however large rho grows. None disables it; verl's default is 3. Must be > 1."""
+    log_ratio_clamp: float = 20.0
+    """log rho = l - l_old and the KL log ratio l_ref - l are clamped to +- this before exp
+    (as verl); a clamped token gets no gradient through it. The default never binds in a
+    healthy run (rho = e^20)."""
+    kl_clamp: float = 10.0
+    """Each token's KL estimate is clamped to +- this (verl clamps k3 to 10), so that one
+    token the reference model rates far higher cannot spike the loss."""
     kl_beta: float = 0.0
     """Weight of the KL term to the reference policy; 0 disables the reference model."""
     kl_estimator: str = "k3"
@@ -90,6 +105,20 @@ class AlgoConfig:
         _check_range("algo.clip_eps_low", self.clip_eps_low, low=0.0, high=1.0)
         _check_range("algo.clip_eps_high", self.clip_eps_high, low=0.0)
         _check_range("algo.kl_beta", self.kl_beta, low=0.0)
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(
+                f"algo.clip_ratio_c={self.clip_ratio_c} must be > 1 (the dual-clip bound on rho "
+                "for negative advantages; verl uses 3), or null to disable dual-clip"
+            )
+        if self.clip_ratio_c is not None and self.policy_loss == "kl_cov":
+            raise ValueError(
+                "algo.clip_ratio_c does nothing with policy_loss=kl_cov, which does not clip the "
+                "ratio; remove it or choose grpo, cw_grpo or clip_cov"
+            )
+        if not self.log_ratio_clamp > 0:
+            raise ValueError(f"algo.log_ratio_clamp={self.log_ratio_clamp} must be > 0")
+        if not self.kl_clamp > 0:
+            raise ValueError(f"algo.kl_clamp={self.kl_clamp} must be > 0")
         _check_range("algo.clip_cov_ratio", self.clip_cov_ratio, low=0.0, high=1.0)
         _check_range("algo.kl_cov_ratio", self.kl_cov_ratio, low=0.0, high=1.0)
         _check_range("algo.kl_cov_coef", self.kl_cov_coef, low=0.0)
@@ -199,6 +228,14 @@ class TrainConfig:
         if self.temperature <= 0:
             raise ValueError(f"train.temperature={self.temperature} must be > 0")
         _check_choice("train.params_dtype", self.params_dtype, PARAM_DTYPES)
+        if self.group_size == 1:
+            warnings.warn(
+                "train.group_size=1: a group of one response has no baseline, so every "
+                "advantage is 0 and GRPO (and every loss here) learns nothing from the "
+                "rollouts; use train.group_size >= 2",
+                ConfigWarning,
+                stacklevel=3,
+            )
         if self.prompts_per_step % self.ppo_mini_batches:
             raise ValueError(
                 f"train.prompts_per_step={self.prompts_per_step} must be a multiple of "

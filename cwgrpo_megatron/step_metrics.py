@@ -31,6 +31,7 @@ LOSS_METRIC_NAMES = {
     "kl_mean": "actor/kl",
     "clip_frac_low": "actor/clip_frac_low",
     "clip_frac_high": "actor/clip_frac_high",
+    "clip_frac_dual": "actor/clip_frac_dual",
     "ratio_mean": "actor/ratio_mean",
     "tis_weight_mean": "actor/tis_weight_mean",
     "clip_cov_frac": "actor/clip_cov_frac",

@@ -74,3 +74,28 @@ def ref_surrogate_loss(
     else:
         per_seq = (per_token * m).sum(-1)[keep] / norm_length
     return per_seq.mean()
+
+
+def ref_dual_clip_loss(
+    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, eps: float, c: float
+) -> Tensor:
+    """Token-mean dual-clip PPO loss (Ye et al. 2020), written token by token."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, j in (mask > 0).nonzero().tolist():
+        rho = torch.exp(logp[i, j] - old_logp[i, j])
+        a = adv[i, j]
+        x = -torch.minimum(rho * a, torch.clamp(rho, 1 - eps, 1 + eps) * a)
+        if a < 0:
+            x = torch.minimum(x, -c * a)
+        total = total + x
+    return total / mask.sum()
+
+
+def ref_top_k_in_order(cov: Tensor, mask: Tensor, k: int) -> Tensor:
+    """The k counted tokens of largest c, ties taken in row-major order (a stable sort)."""
+    flat_c, flat_m = cov.reshape(-1), mask.reshape(-1) > 0
+    candidates = [(-float(flat_c[i]), i) for i in range(flat_c.numel()) if flat_m[i]]
+    chosen = torch.zeros(flat_c.numel(), dtype=torch.bool)
+    for _, i in sorted(candidates)[:k]:
+        chosen[i] = True
+    return chosen.reshape(cov.shape)

@@ -2,24 +2,29 @@
 
 Every loss works in two phases:
 
-1. `prepare(old_logp, advantages, mask, scope=..., cfg=...)`, once per optimizer step on the
-   detached log-probs of the policy being updated (the forward-only pass), computes a per-token
-   constant `token_stat [b, s]` from scope statistics (e.g. CW-GRPO's w~). The scope's
-   `reduce_sum` is the only communication.
+1. `prepare(policy_logp, advantages, mask, scope=..., cfg=..., old_logp=...)`, once per
+   optimizer step, computes a per-token constant `token_stat [b, s]` from scope statistics
+   (e.g. CW-GRPO's w~). `policy_logp` are the detached log-probs of the policy about to be
+   updated (the forward-only pass); they equal `old_logp` only for a rollout's first
+   mini-batch. The scope's `reduce_sum` is the only communication.
 2. `__call__(batch, cfg)`, per micro-batch, returns `LossOutput(loss_sum, num_tokens, metrics)`
    in Megatron's `calculate_per_token_loss` form: the trainer divides the global sum of
    `loss_sum` by the global sum of `num_tokens` (see `aggregation.py`).
 
-Per-token surrogate (DESIGN section 1), rho = exp(l - l_old); with `tis_cap` set, the surrogate
-(not the KL term) is multiplied by the truncated importance weight min(exp(l_old - l_rollout), C)
-of `rollout_correction.py`:
+Per-token surrogate (DESIGN section 1), rho = exp(clamp(l - l_old, +-log_ratio_clamp)); with
+`tis_cap` set, the surrogate (not the KL term) is multiplied by the truncated importance weight
+min(exp(l_old - l_rollout), C) of `rollout_correction.py`; KL is `kl.kl_term`:
 
     grpo      x = -min(rho A,  clip(rho, 1-eps_low, 1+eps_high) A)  + beta KL
     cw_grpo   x = -min(rho A^, clip(rho, 1-eps_low, 1+eps_high) A^) + beta KL,   A^ = w~ A
     clip_cov  as grpo, but the gradient of a random `clip_cov_ratio` share of the tokens whose
-              covariance c lies in (clip_cov_lb, clip_cov_ub) is detached   (Cui et al. 2025)
-    kl_cov    x = -rho A + kl_cov_coef |l - l_old| on the `kl_cov_ratio` share of tokens of
-              largest c, x = -rho A elsewhere (no ratio clipping)          (Cui et al. 2025)
+              covariance c lies in (clip_cov_lb, clip_cov_ub), and whose gradient no clip has
+              already cut, is detached                                      (Cui et al. 2025)
+    kl_cov    x = -rho A + kl_cov_coef |log rho| on exactly the k = max(1, floor(kl_cov_ratio N))
+              tokens of largest c, x = -rho A elsewhere (no ratio clipping)  (Cui et al. 2025)
+
+With dual-clip (`clip_ratio_c` = C > 1, Ye et al. 2020) the clipped surrogate of a token with
+A < 0 is further bounded, x = min(x, -C A), so that an exploding rho cannot make it unbounded.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from torch import Tensor
 
 from cwgrpo_megatron.algo.aggregation import get_loss_aggregation
 from cwgrpo_megatron.algo.covariance import CovarianceStats, centred_covariance, kernel_weights
-from cwgrpo_megatron.algo.kl import get_kl_estimator
+from cwgrpo_megatron.algo.draws import token_uniform
+from cwgrpo_megatron.algo.kl import kl_term
 from cwgrpo_megatron.algo.metrics import (
     Metrics,
     covariance_metrics,
@@ -54,7 +60,8 @@ class PolicyBatch:
     logp: Tensor
     """Log-probs of the current policy at the sampling temperature (with gradient)."""
     old_logp: Tensor
-    """Log-probs of the policy that produced the statistics (forward-only pass, detached)."""
+    """Log-probs of the policy before this rollout's first update, rho's denominator
+    (forward-only pass, detached)."""
     advantages: Tensor
     """Per-token advantage A_i, zero outside the mask."""
     mask: Tensor
@@ -88,19 +95,27 @@ class PolicyLoss:
 
     def prepare(
         self,
-        old_logp: Tensor,
+        policy_logp: Tensor,
         advantages: Tensor,
         mask: Tensor,
         *,
         scope: Scope,
         cfg: AlgoConfig,
+        old_logp: Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> Prepared:
+        """Per-token constants for the mini-batch about to be trained on; all tensors `[b, s]`.
+
+        `policy_logp`: detached log-probs of the policy being updated (the statistics' l);
+        `old_logp`: those of the policy that sampled (rho's denominator). None means they are
+        the same, as in a rollout's first mini-batch.
+        """
         return Prepared(None, {})
 
     def token_loss(self, batch: PolicyBatch, cfg: AlgoConfig) -> tuple[Tensor, Tensor, Metrics]:
         """(per-token loss x, ratio rho, loss-specific metrics); tensors are `[b, s]`."""
-        return clipped_surrogate(batch, batch.advantages, cfg)
+        surrogate = clipped_surrogate(batch, batch.advantages, cfg)
+        return surrogate.loss, surrogate.ratio, surrogate.metrics
 
     def __call__(self, batch: PolicyBatch, cfg: AlgoConfig) -> LossOutput:
         per_token, ratio, metrics = self.token_loss(batch, cfg)
@@ -118,7 +133,13 @@ class PolicyLoss:
         if cfg.kl_beta > 0:
             if batch.ref_logp is None:
                 raise ValueError("kl_beta > 0 needs ref_logp from the reference policy")
-            kl = get_kl_estimator(cfg.kl_estimator)(batch.logp, batch.ref_logp)
+            kl = kl_term(
+                batch.logp,
+                batch.ref_logp,
+                estimator=cfg.kl_estimator,
+                log_ratio_clamp=cfg.log_ratio_clamp,
+                kl_clamp=cfg.kl_clamp,
+            )
             per_token = per_token + cfg.kl_beta * kl
             metrics["kl_mean"] = mean_metric(kl, batch.mask, count)
         if batch.entropy is not None:
@@ -129,29 +150,57 @@ class PolicyLoss:
         return LossOutput(loss_sum, count, metrics)
 
 
-def clipped_surrogate(
-    batch: PolicyBatch, adv: Tensor, cfg: AlgoConfig
-) -> tuple[Tensor, Tensor, Metrics]:
-    """x = -min(rho adv, clip(rho, 1-eps_low, 1+eps_high) adv) `[b, s]`, rho, clip fractions.
+def policy_ratio(logp: Tensor, old_logp: Tensor, cfg: AlgoConfig) -> Tensor:
+    """rho = exp(clamp(l - l_old, +-log_ratio_clamp)) `[b, s]`; a clamped token gets no gradient
+    through rho, and exp cannot overflow."""
+    return torch.exp((logp - old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
 
-    The clip binds (the token's gradient is cut) where clipped < unclipped: at
-    rho > 1 + eps_high for adv > 0 (`clip_frac_high`), at rho < 1 - eps_low for adv < 0
-    (`clip_frac_low`); both are shares of all counted tokens.
-    """
-    ratio = torch.exp(batch.logp - batch.old_logp)
+
+class Surrogate(NamedTuple):
+    """The clipped surrogate of `clipped_surrogate`; tensors are `[b, s]`."""
+
+    loss: Tensor
+    ratio: Tensor
+    cut: Tensor
+    """bool: a clip binds, so the token's surrogate has no gradient."""
+    metrics: Metrics
+
+
+def clip_cuts(ratio: Tensor, adv: Tensor, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """Where the PPO clip binds (clipped < unclipped: rho > 1 + eps_high for adv > 0, rho <
+    1 - eps_low for adv < 0), and where dual-clip binds (adv < 0 and max(rho, 1 - eps_low) >
+    clip_ratio_c; never when clip_ratio_c is None); bool `[b, s]` each, disjoint."""
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    binds = clipped < unclipped
-    count = batch.mask.to(torch.float64).sum()
-    return (
-        per_token,
-        ratio,
-        {
-            "clip_frac_high": mean_metric((binds & (adv > 0)).to(adv.dtype), batch.mask, count),
-            "clip_frac_low": mean_metric((binds & (adv < 0)).to(adv.dtype), batch.mask, count),
-        },
+    ppo = clipped < unclipped
+    if cfg.clip_ratio_c is None:
+        return ppo, torch.zeros_like(ppo)
+    dual = (adv < 0) & (-torch.minimum(unclipped, clipped) > -cfg.clip_ratio_c * adv)
+    return ppo, dual
+
+
+def clipped_surrogate(batch: PolicyBatch, adv: Tensor, cfg: AlgoConfig) -> Surrogate:
+    """x = -min(rho adv, clip(rho, 1-eps_low, 1+eps_high) adv), then x = min(x, -C adv) where
+    adv < 0 with dual-clip (C = clip_ratio_c); all `[b, s]`.
+
+    Metrics are shares of all counted tokens where a clip cuts the gradient: `clip_frac_high`
+    (adv > 0, rho > 1 + eps_high), `clip_frac_low` (adv < 0, rho < 1 - eps_low) and, with
+    dual-clip, `clip_frac_dual` (adv < 0, rho > C; verl's pg_clipfrac_lower).
+    """
+    ratio = policy_ratio(batch.logp, batch.old_logp, cfg)
+    per_token = -torch.minimum(
+        ratio * adv, ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
     )
+    ppo, dual = clip_cuts(ratio.detach(), adv, cfg)
+    count = batch.mask.to(torch.float64).sum()
+    metrics = {
+        "clip_frac_high": mean_metric((ppo & (adv > 0)).to(adv.dtype), batch.mask, count),
+        "clip_frac_low": mean_metric((ppo & (adv < 0)).to(adv.dtype), batch.mask, count),
+    }
+    if cfg.clip_ratio_c is not None:
+        per_token = torch.where(dual, -cfg.clip_ratio_c * adv, per_token)
+        metrics["clip_frac_dual"] = mean_metric(dual.to(adv.dtype), batch.mask, count)
+    return Surrogate(per_token, ratio, ppo | dual, metrics)
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
@@ -185,107 +234,110 @@ register_policy_loss("grpo")(PolicyLoss)
 class CovarianceWeightedLoss(PolicyLoss):
     """CW-GRPO: the advantage of each token is scaled by its kernel weight w~ (a constant)."""
 
-    def prepare(self, old_logp, advantages, mask, *, scope, cfg, generator=None):
-        stats = centred_covariance(old_logp, advantages, mask, scope)
+    def prepare(self, policy_logp, advantages, mask, *, scope, cfg, old_logp=None, generator=None):
+        stats = centred_covariance(policy_logp, advantages, mask, scope)
         weights = kernel_weights(stats, mask, scope)
         return Prepared(weights, {**covariance_metrics(stats), **weight_metrics(weights, mask)})
 
     def token_loss(self, batch, cfg):
         weights = _require_stat(batch, self.name).detach()
-        return clipped_surrogate(batch, weights * batch.advantages, cfg)
+        surrogate = clipped_surrogate(batch, weights * batch.advantages, cfg)
+        return surrogate.loss, surrogate.ratio, surrogate.metrics
 
 
 @register_policy_loss("clip_cov")
 class ClipCovLoss(PolicyLoss):
     """Clip-Cov: detach the gradient of a random few tokens of high covariance.
 
-    Each token with c in (lb, ub) is picked with probability p = min(1, k / n_band), where
+    The eligible band holds the counted tokens with c in (lb, ub) whose gradient no clip cuts
+    already at rho = exp(l_policy - l_old) (`clip_cuts`; as Cui et al. and verl, detaching
+    those would remove nothing). Each is picked with probability p = min(1, k / n_band), where
     k = max(1, floor(ratio N)) and n_band are pool sums, so k tokens are picked in expectation
     over the whole pool (Cui et al. pick exactly k with a permutation; a Bernoulli draw needs
-    only sums, so it composes across ranks). The uniform draws come from `generator`, which must
-    be seeded identically on the tensor-parallel ranks of a data-parallel rank so that they pick
-    the same tokens. Communication: 3 `reduce_sum` calls.
+    only sums, so it composes across ranks). Each token's uniform draw is a hash of its global
+    position and a key drawn from `generator` (`draws.token_uniform`), so with the generator
+    seeded the same on every rank a token is picked or not whatever the layout. `clip_cov_frac`
+    counts the picked tokens whose gradient the training pass actually removes.
+    Communication: 3 `reduce_sum` calls.
     """
 
-    def prepare(self, old_logp, advantages, mask, *, scope, cfg, generator=None):
+    def prepare(self, policy_logp, advantages, mask, *, scope, cfg, old_logp=None, generator=None):
         if generator is None:
-            raise ValueError(
-                "clip_cov needs a torch.Generator seeded the same on every tensor-parallel rank"
-            )
-        stats = centred_covariance(old_logp, advantages, mask, scope)
-        m = mask > 0
-        band = m & (stats.cov > cfg.clip_cov_lb) & (stats.cov < cfg.clip_cov_ub)
+            raise ValueError("clip_cov needs a torch.Generator seeded the same on every rank")
+        stats = centred_covariance(policy_logp, advantages, mask, scope)
+        band = (mask > 0) & (stats.cov > cfg.clip_cov_lb) & (stats.cov < cfg.clip_cov_ub)
+        if old_logp is not None:
+            ppo, dual = clip_cuts(policy_ratio(policy_logp, old_logp, cfg), advantages, cfg)
+            band &= ~(ppo | dual)
         band_count = scope.sums(band.to(stats.cov.dtype))[:, 0]
         target = torch.floor(cfg.clip_cov_ratio * stats.count).clamp(min=1.0)
         prob = (target / band_count.clamp(min=1.0)).clamp(max=1.0)
-        uniform = torch.rand(
-            mask.shape, generator=generator, dtype=torch.float64, device=generator.device
-        )
-        detached = band & (uniform.to(mask.device) < scope.per_token(prob))
-        keep = (~detached).to(torch.float32)
-        metrics = covariance_metrics(stats)
-        metrics["clip_cov_frac"] = mean_metric(detached.to(torch.float32), mask)
-        return Prepared(keep, metrics)
+        key = torch.randint(0, 2**31, (), generator=generator, device=generator.device)
+        uniform = token_uniform(scope.token_order(mask.shape[-1]).to(mask.device), key)
+        detached = band & (uniform < scope.per_token(prob))
+        return Prepared((~detached).to(torch.float32), covariance_metrics(stats))
 
     def token_loss(self, batch, cfg):
         keep = _require_stat(batch, self.name) > 0
-        per_token, ratio, metrics = clipped_surrogate(batch, batch.advantages, cfg)
-        return torch.where(keep, per_token, per_token.detach()), ratio, metrics
+        surrogate = clipped_surrogate(batch, batch.advantages, cfg)
+        removed = ~keep & ~surrogate.cut
+        metrics = dict(surrogate.metrics)
+        metrics["clip_cov_frac"] = mean_metric(removed.to(torch.float32), batch.mask)
+        loss = torch.where(keep, surrogate.loss, surrogate.loss.detach())
+        return loss, surrogate.ratio, metrics
 
 
 @register_policy_loss("kl_cov")
 class KLCovLoss(PolicyLoss):
-    """KL-Cov: a |l - l_old| penalty on the k = max(1, floor(ratio N)) tokens of largest c.
+    """KL-Cov: a |log rho| penalty on exactly k = max(1, floor(ratio N)) tokens of each pool,
+    those of largest c.
 
-    The k-th largest c of each pool is found by a bracketed multi-way search on pool counts
-    (`kth_largest`), so it is exact across ranks with only sums: 2 + 22 `reduce_sum` calls of at
-    most 7 scalars per pool, once per step. Ties at the threshold are all selected.
+    Ties are broken by token order: when several tokens share the k-th largest c (in a pool
+    where every advantage is equal, c = 0 on every token), the tied ones that come first in
+    the global batch (`Scope.token_order`: row, then position) are taken, so the selection
+    has exactly k tokens, is deterministic, and is the same at every layout. Both searches run
+    on pool counts (`kth_largest`), so they are exact across ranks with only sums:
+    2 + 22 + 1 + 18 `reduce_sum` calls of at most 7 scalars per pool, once per step.
     """
 
-    def prepare(self, old_logp, advantages, mask, *, scope, cfg, generator=None):
-        stats = centred_covariance(old_logp, advantages, mask, scope)
+    def prepare(self, policy_logp, advantages, mask, *, scope, cfg, old_logp=None, generator=None):
+        stats = centred_covariance(policy_logp, advantages, mask, scope)
         k = torch.where(
             stats.count > 0,
             torch.floor(cfg.kl_cov_ratio * stats.count).clamp(min=1.0),
             torch.zeros_like(stats.count),
         )
-        threshold = kth_largest(stats, mask, k, scope)
-        selected = (mask > 0) & (stats.cov >= scope.per_token(threshold))
+        selected = top_k_tokens(stats, mask, k, scope)
         metrics = covariance_metrics(stats)
         metrics["kl_cov_frac"] = mean_metric(selected.to(torch.float32), mask)
         return Prepared(selected.to(torch.float32), metrics)
 
     def token_loss(self, batch, cfg):
         selected = _require_stat(batch, self.name)
-        ratio = torch.exp(batch.logp - batch.old_logp)
-        penalty = cfg.kl_cov_coef * (batch.logp - batch.old_logp).abs()
+        log_ratio = (batch.logp - batch.old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        ratio = torch.exp(log_ratio)
+        penalty = cfg.kl_cov_coef * log_ratio.abs()
         return -ratio * batch.advantages + selected * penalty, ratio, {}
 
 
 _SEARCH_PROBES = 7
 _SEARCH_ROUNDS = 22  # 8**22 > 2**64: the bracket shrinks below float64 resolution
+_ORDER_ROUNDS = 18  # 8**18 > 2**53: token orders are integers below 2**53
+_MAX_ORDER = float(2**53)
 
 
-def kth_largest(stats: CovarianceStats, mask: Tensor, k: Tensor, scope: Scope) -> Tensor:
-    """Per pool `[K]`, the largest t with #{c >= t} >= k, to the resolution of c's dtype.
-
-    Every counted c lies in [c_bar - sigma sqrt(N), c_bar + sigma sqrt(N)], which brackets the
-    search without a min/max reduction. Each round counts the tokens at or above 7 probes with
-    one `reduce_sum` and keeps the sub-interval that holds the k-th value.
-    """
-    cov = stats.cov
-    radius = stats.cov_std * stats.count.sqrt()
-    # c is rounded to its dtype, so a value may sit a few ulps outside the exact bracket
-    margin = 8 * torch.finfo(cov.dtype).eps * (1.0 + stats.cov_mean.abs() + radius)
-    lo = stats.cov_mean - radius - margin
-    hi = stats.cov_mean + radius + margin
+def _bracket_search(
+    values: Tensor, eligible: Tensor, k: Tensor, lo: Tensor, hi: Tensor, scope: Scope, rounds: int
+) -> tuple[Tensor, Tensor]:
+    """Shrinks per-pool brackets `[K]` that keep #{v >= lo} >= k > #{v >= hi} over the eligible
+    tokens (`values, eligible [b, s]`). Each round counts the tokens at or above 7 probes with
+    one `reduce_sum` and keeps the sub-interval that holds the k-th largest value."""
     fractions = torch.arange(1, _SEARCH_PROBES + 1, dtype=torch.float64) / (_SEARCH_PROBES + 1)
-    in_pool = mask > 0
-    for _ in range(_SEARCH_ROUNDS):
+    for _ in range(rounds):
         probes = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * fractions  # [K, P]
         token_probes = probes[scope.segment]  # [b, P]
         columns = [
-            (in_pool & (cov >= token_probes[:, j : j + 1])).to(cov.dtype)
+            (eligible & (values >= token_probes[:, j : j + 1])).to(torch.float64)
             for j in range(_SEARCH_PROBES)
         ]
         counts = scope.sums(*columns)  # [K, P]
@@ -297,4 +349,47 @@ def kth_largest(stats: CovarianceStats, mask: Tensor, k: Tensor, scope: Scope) -
         upper = probes.gather(-1, upper_idx.unsqueeze(-1)).squeeze(-1)
         hi = torch.where(below < _SEARCH_PROBES, upper, hi)
         lo = new_lo
-    return lo
+    return lo, hi
+
+
+def _kth_bracket(stats: CovarianceStats, mask: Tensor, k: Tensor, scope: Scope):
+    # Every counted c lies in [c_bar - sigma sqrt(N), c_bar + sigma sqrt(N)], which brackets the
+    # search without a min/max reduction; c is rounded to its dtype, so a value may sit a few
+    # ulps outside the exact bracket.
+    cov = stats.cov
+    radius = stats.cov_std * stats.count.sqrt()
+    margin = 8 * torch.finfo(cov.dtype).eps * (1.0 + stats.cov_mean.abs() + radius)
+    lo = stats.cov_mean - radius - margin
+    hi = stats.cov_mean + radius + margin
+    return _bracket_search(cov, mask > 0, k, lo, hi, scope, _SEARCH_ROUNDS)
+
+
+def kth_largest(stats: CovarianceStats, mask: Tensor, k: Tensor, scope: Scope) -> Tensor:
+    """Per pool `[K]`, the largest t with #{c >= t} >= k, to the resolution of c's dtype."""
+    return _kth_bracket(stats, mask, k, scope)[0]
+
+
+def top_k_tokens(stats: CovarianceStats, mask: Tensor, k: Tensor, scope: Scope) -> Tensor:
+    """bool `[b, s]`: exactly k `[K]` counted tokens per pool (all of them when k exceeds the
+    pool): every c above the k-th largest value c_(k), then the ties at c_(k) in token order.
+
+    After the search, [lo, hi) holds c_(k) and no other value of c, so c >= hi are the tokens
+    strictly above it; among the ties, the (k - #above) of smallest order are the ones whose
+    negated order is at or above the (k - #above)-th largest negated order.
+    """
+    lo, hi = _kth_bracket(stats, mask, k, scope)
+    counted = mask > 0
+    above = counted & (stats.cov >= scope.per_token(hi))
+    tied = counted & (stats.cov >= scope.per_token(lo)) & ~above
+    wanted = k - scope.sums(above.to(torch.float64))[:, 0]
+    negated_order = -scope.token_order(mask.shape[-1]).to(mask.device)
+    first, _ = _bracket_search(
+        negated_order,
+        tied,
+        wanted,
+        torch.full_like(wanted, -_MAX_ORDER),
+        torch.ones_like(wanted),
+        scope,
+        _ORDER_ROUNDS,
+    )
+    return above | (tied & (negated_order >= scope.per_token(first)))

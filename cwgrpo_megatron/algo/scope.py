@@ -27,12 +27,18 @@ def _local(sums: Tensor) -> Tensor:
 @dataclass(frozen=True, eq=False)
 class Scope:
     """`segment [b]` (int64 pool index per row), `num_segments` K, and `reduce_sum`, which
-    turns this rank's per-pool sums `[K, j]` into the sums over every rank of the pool."""
+    turns this rank's per-pool sums `[K, j]` into the sums over every rank of the pool.
+
+    `row_order [b]` (int64) is each row's position in the global batch, the same whatever the
+    layout; selections that must break ties (kl_cov) order tokens by it. None means the local
+    row order, which is the global one in a single process.
+    """
 
     segment: Tensor
     num_segments: int
     reduce_sum: Callable[[Tensor], Tensor] = _local
     name: str = "local"
+    row_order: Tensor | None = None
 
     def local_sums(self, *columns: Tensor) -> Tensor:
         """[K, j] float64: column j holds this rank's sum over each pool of `columns[j] [b, s]`
@@ -45,6 +51,16 @@ class Scope:
     def sums(self, *columns: Tensor) -> Tensor:
         """`local_sums` completed over every rank of the pool: one `reduce_sum` call."""
         return self.reduce_sum(self.local_sums(*columns))
+
+    def token_order(self, seq_len: int) -> Tensor:
+        """`[b, s]` float64 global position row_order * s + t of each token: a total order of
+        the tokens of every rank, exact while positions stay below 2**53. Every rank's rows
+        must share the padded length s."""
+        rows = self.row_order
+        if rows is None:
+            rows = torch.arange(self.segment.shape[0], device=self.segment.device)
+        positions = torch.arange(seq_len, device=rows.device, dtype=torch.float64)
+        return rows.to(torch.float64).unsqueeze(-1) * seq_len + positions
 
     def per_token(self, pool_values: Tensor) -> Tensor:
         """Broadcast `[K]` pool values to `[b, 1]`, ready to combine with `[b, s]` tensors."""
@@ -60,10 +76,15 @@ def single_pool(batch_size: int, *, device: torch.device | str = "cpu") -> Scope
     )
 
 
-def pools_from_index(index: Tensor, *, name: str) -> Scope:
+def pools_from_index(index: Tensor, *, name: str, row_order: Tensor | None = None) -> Scope:
     """Local pools given by `index [b]` (e.g. prompt index or micro-batch index per row).
 
     Indices are relabelled to 0..K-1 so that any integer labels may be used.
     """
     labels, segment = torch.unique(index, return_inverse=True)
-    return Scope(segment=segment.to(torch.long), num_segments=int(labels.numel()), name=name)
+    return Scope(
+        segment=segment.to(torch.long),
+        num_segments=int(labels.numel()),
+        name=name,
+        row_order=row_order,
+    )

@@ -23,23 +23,29 @@ class LayoutDependentWarning(UserWarning):
 
 
 def global_scope(
-    batch_size: int, *, group: Group = None, device: torch.device | str = "cpu"
+    batch_size: int,
+    *,
+    group: Group = None,
+    device: torch.device | str = "cpu",
+    row_order: Tensor | None = None,
 ) -> Scope:
-    """All counted tokens of every rank of `group` in one pool."""
+    """All counted tokens of every rank of `group` in one pool. `row_order [b]` is each row's
+    position in the global batch (see `Scope`)."""
     return Scope(
         segment=torch.zeros(batch_size, dtype=torch.long, device=device),
         num_segments=1,
         reduce_sum=functools.partial(sum_over, group=group),
         name="global",
+        row_order=row_order,
     )
 
 
-def group_scope(prompt_index: Tensor) -> Scope:
+def group_scope(prompt_index: Tensor, *, row_order: Tensor | None = None) -> Scope:
     """One pool per prompt; `prompt_index [b]` labels the prompt of each row."""
-    return pools_from_index(prompt_index, name="group")
+    return pools_from_index(prompt_index, name="group", row_order=row_order)
 
 
-def micro_batch_scope(micro_batch_index: Tensor) -> Scope:
+def micro_batch_scope(micro_batch_index: Tensor, *, row_order: Tensor | None = None) -> Scope:
     """One pool per local micro-batch; `micro_batch_index [b]` labels each row's micro-batch."""
     warnings.warn(
         "cov_scope=micro_batch pools covariance statistics per micro-batch on each rank, so the "
@@ -48,7 +54,7 @@ def micro_batch_scope(micro_batch_index: Tensor) -> Scope:
         LayoutDependentWarning,
         stacklevel=2,
     )
-    return pools_from_index(micro_batch_index, name="micro_batch")
+    return pools_from_index(micro_batch_index, name="micro_batch", row_order=row_order)
 
 
 def make_scope(
@@ -58,17 +64,19 @@ def make_scope(
     group: Group = None,
     prompt_index: Tensor | None = None,
     micro_batch_index: Tensor | None = None,
+    row_order: Tensor | None = None,
     device: torch.device | str = "cpu",
 ) -> Scope:
-    """The scope named by `algo.cov_scope`, with the index it needs."""
+    """The scope named by `algo.cov_scope`, with the index it needs; `row_order [b]` is each
+    row's position in the global batch (the tie-break order of kl_cov)."""
     if name == "global":
-        return global_scope(batch_size, group=group, device=device)
+        return global_scope(batch_size, group=group, device=device, row_order=row_order)
     if name == "group":
         if prompt_index is None:
             raise ValueError("cov_scope=group needs prompt_index [b]")
-        return group_scope(prompt_index)
+        return group_scope(prompt_index, row_order=row_order)
     if name == "micro_batch":
         if micro_batch_index is None:
             raise ValueError("cov_scope=micro_batch needs micro_batch_index [b]")
-        return micro_batch_scope(micro_batch_index)
+        return micro_batch_scope(micro_batch_index, row_order=row_order)
     raise ValueError(f"unknown cov_scope {name!r}; choose one of: {', '.join(SCOPE_NAMES)}")

@@ -130,7 +130,8 @@ def run(
     (dp = world / (tp pp)); needs torch.distributed.
 
     Returns {"loss": [...], "grad_norm": [...], "param_checksum": float, "layout": {...},
-    "skipped": [...]} on every rank. `batch_fn(step, arch)` may replace the synthetic batch.
+    "skipped": [...], "metrics": [...]} on every rank. `batch_fn(step, arch)` may replace the
+    synthetic batch.
     """
     cfg = layout_config(
         tp=tp,
@@ -146,7 +147,7 @@ def run(
     trainer, arch = tiny_trainer(cfg, seed=seed, hf_dir=hf_dir)
     try:
         initial = param_checksum(trainer.model)
-        losses, norms, skipped = [], [], []
+        losses, norms, skipped, metrics = [], [], [], []
         for step in range(steps):
             if batch_fn is not None:
                 batch = batch_fn(step, arch)
@@ -162,12 +163,14 @@ def run(
                 losses.append(result.loss)
                 norms.append(result.grad_norm)
                 skipped.append(result.skipped)
+                metrics.append(result.metrics)
         return {
             "loss": losses,
             "grad_norm": norms,
             "param_checksum": param_checksum(trainer.model),
             "initial_checksum": initial,
             "skipped": skipped,
+            "metrics": metrics,
             "layout": {**parallel.layout(), "micro_batches": micro_batches},
         }
     finally:

@@ -265,16 +265,17 @@ def train_step(
     results = []
     for k, (local, micro) in enumerate(zip(mini_batches, split, strict=True)):
         with timer("old_logp"):
-            stat_logp = old[k] if k == 0 else logprobs(trainer.model, micro, cfg, trainer.arch)[0]
+            # the statistics are those of the policy about to be updated
+            policy_logp = old[k] if k == 0 else logprobs(trainer.model, micro, cfg, trainer.arch)[0]
             ref_logp = None
             if trainer.ref_model is not None:
                 ref_logp = logprobs(trainer.ref_model, micro, cfg, trainer.arch)[0]
         with timer("train"):
-            results.append(_update(trainer, local, micro, old[k], stat_logp, ref_logp))
+            results.append(_update(trainer, local, micro, old[k], policy_logp, ref_logp))
     return results
 
 
-def _update(trainer, local, micro, old_logp, stat_logp, ref_logp) -> StepResult:
+def _update(trainer, local, micro, old_logp, policy_logp, ref_logp) -> StepResult:
     cfg = trainer.cfg
     last = parallel_state.is_pipeline_last_stage()
     dev = device()
@@ -286,15 +287,19 @@ def _update(trainer, local, micro, old_logp, stat_logp, ref_logp) -> StepResult:
             group=parallel_state.get_data_parallel_group(),
             prompt_index=local.prompt_index,
             micro_batch_index=torch.arange(local.rows, device=dev) // cfg.train.micro_batch_size,
+            # shards are consecutive blocks of the mini-batch, so this is the global row order
+            row_order=parallel_state.get_data_parallel_rank() * local.rows
+            + torch.arange(local.rows, device=dev),
             device=dev,
         )
         generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + trainer.step)
         prepared = get_policy_loss(cfg.algo.policy_loss).prepare(
-            stat_logp,
+            policy_logp,
             local.advantages,
             local.loss_mask,
             scope=scope,
             cfg=cfg.algo,
+            old_logp=old_logp,
             generator=generator,
         )
         token_stat, prepared_metrics = prepared.token_stat, prepared.metrics

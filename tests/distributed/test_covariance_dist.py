@@ -16,6 +16,7 @@ from cwgrpo_megatron.dist import (
     sum_over,
 )
 from tests.distributed.harness import run_distributed
+from tests.reference import ref_top_k_in_order
 
 ROWS, COLS = 12, 10
 
@@ -186,3 +187,50 @@ def test_micro_batch_scope_depends_on_layout_and_warns():
     loss, grad = _assemble(results)
     assert all(r["warned"] for r in results)
     assert abs(loss - ref_loss) > 1e-6 or (grad - ref_grad).abs().max() > 1e-6
+
+
+def tied_batch():
+    """Few distinct values of l and A, so that many covariances tie at kl_cov's threshold."""
+    gen = torch.Generator().manual_seed(99)
+    logp = torch.randint(0, 3, (ROWS, COLS), generator=gen).double() * -0.5
+    lengths = torch.randint(2, COLS + 1, (ROWS,), generator=gen)
+    mask = (torch.arange(COLS)[None] < lengths[:, None]).double()
+    adv = torch.tensor([1.0, -1.0, 0.0]).repeat(ROWS // 3).unsqueeze(-1).double() * mask
+    return logp, adv, mask
+
+
+def _kl_cov_worker(rank, world, bounds):
+    logp, adv, mask = tied_batch()
+    rows = slice(bounds[rank], bounds[rank + 1])
+    local = mask[rows]
+    group = dist.group.WORLD if world > 1 else None
+    scope = global_scope(
+        local.shape[0], group=group, row_order=torch.arange(bounds[rank], bounds[rank + 1])
+    )
+    cfg = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.1)
+    prepared = get_policy_loss("kl_cov").prepare(logp[rows], adv[rows], local, scope=scope, cfg=cfg)
+    return {"rows": (bounds[rank], bounds[rank + 1]), "selected": prepared.token_stat.tolist()}
+
+
+@pytest.mark.parametrize("bounds", [[0, 5, 12], [0, 2, 7, 12, 12]], ids=["2ranks", "4ranks"])
+def test_kl_cov_selects_exactly_k_with_ties_at_every_layout(bounds):
+    """The global top-k of kl_cov, ties broken in global token order, is the same set of
+    tokens on 1, 2 and 4 ranks (uneven rows; on 4 ranks one rank holds no rows)."""
+    logp, adv, mask = tied_batch()
+    results = run_distributed(_kl_cov_worker, len(bounds) - 1, bounds)
+    selected = torch.zeros(ROWS, COLS, dtype=torch.float64)
+    for r in results:
+        lo, hi = r["rows"]
+        if hi > lo:
+            selected[lo:hi] = torch.tensor(r["selected"], dtype=torch.float64)
+    single = _kl_cov_worker(0, 1, [0, ROWS])
+    assert torch.equal(selected, torch.tensor(single["selected"], dtype=torch.float64))
+    k = int(0.1 * mask.sum())
+    assert int(selected.sum()) == k
+    sel = mask > 0
+    lv, av = logp[sel], adv[sel]
+    cov = torch.zeros_like(mask)
+    cov[sel] = (lv - lv.mean()) * (av - av.mean())
+    values = cov[sel].sort(descending=True).values
+    assert values[k - 1] == values[k], "the batch must tie at the threshold"
+    assert torch.equal(selected > 0, ref_top_k_in_order(cov, mask, k))

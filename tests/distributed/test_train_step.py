@@ -252,3 +252,30 @@ def test_gradient_clipping_bounds_the_update():
     moved_free = abs(free["param_checksum"] - free["initial_checksum"])
     moved_clipped = abs(clipped["param_checksum"] - clipped["initial_checksum"])
     assert moved_clipped < 0.5 * moved_free
+
+
+@pytest.mark.parametrize(
+    "loss, extra, picked",
+    [
+        pytest.param(
+            "clip_cov",
+            ["algo.clip_cov_ratio=0.05", "algo.clip_cov_lb=0.05"],
+            "clip_cov_frac",
+            id="clip_cov",
+        ),
+        pytest.param("kl_cov", ["algo.kl_cov_ratio=0.05"], "kl_cov_frac", id="kl_cov"),
+    ],
+)
+def test_covariance_baselines_agree_across_layouts(loss, extra, picked):
+    """Clip-Cov's draws hash each token's global position and KL-Cov breaks ties in global
+    token order, so both pick the same tokens at DP1 and DP2; two PPO mini-batches make the
+    second one off-policy (clip_cov's band then excludes tokens PPO clipped)."""
+    overrides = [f"algo.policy_loss={loss}", *extra]
+    ref = layout("tp1-pp1-dp1-mb4", overrides, mini_batches=2)
+    assert all(m[picked] > 0 for m in ref["metrics"]), [m[picked] for m in ref["metrics"]]
+    grpo = layout("tp1-pp1-dp1-mb4", ["algo.policy_loss=grpo"], mini_batches=2)
+    assert ref["param_checksum"] != grpo["param_checksum"], f"{loss} must change the update"
+    got = layout("tp2-dp2-mb1", overrides, mini_batches=2)
+    assert_same(got, ref, 1e-5, f"{loss} tp2-dp2")
+    for a, b in zip(got["metrics"], ref["metrics"], strict=True):
+        assert a[picked] == pytest.approx(b[picked], rel=1e-12)
