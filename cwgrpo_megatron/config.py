@@ -24,7 +24,7 @@ from cwgrpo_megatron.algo.aggregation import LOSS_AGGREGATIONS
 from cwgrpo_megatron.algo.kl import KL_ESTIMATORS
 from cwgrpo_megatron.algo.losses import POLICY_LOSSES
 from cwgrpo_megatron.algo.scope import SCOPE_NAMES
-from cwgrpo_megatron.reward import REWARDS
+from cwgrpo_megatron.reward import REWARDS, VERIFIERS
 
 
 class ConfigWarning(UserWarning):
@@ -261,6 +261,10 @@ class RewardConfig:
     """repetition: n of the word n-grams whose repeats are penalised (Open-R1: 3)."""
     repetition_max_penalty: float = -1.0
     """repetition: the reward of a completion made of one n-gram repeated (<= 0)."""
+    verifier: str = "accuracy"
+    """What decides a completion is correct (accuracy/mean, evaluation, and the parts that read
+    the verdict): accuracy (math-verify on the last \\boxed{}) or integer_answer (the first
+    integer, for the synthetic tasks)."""
 
     def __post_init__(self) -> None:
         if not self.weights:
@@ -269,6 +273,7 @@ class RewardConfig:
             _check_choice("reward.weights key", name, REWARDS.names())
             if weight != weight or weight in (float("inf"), float("-inf")):
                 raise ValueError(f"reward.weights.{name}={weight} must be finite")
+        _check_choice("reward.verifier", self.verifier, VERIFIERS)
         _check_range("reward.timeout_s", self.timeout_s, low=0.001)
         _check_range("reward.workers", self.workers, low=0)
         _check_range("reward.cosine_max_len", self.cosine_max_len, low=1)
@@ -288,6 +293,7 @@ class RewardConfig:
             dict(self.weights),
             workers=self.workers or workers,
             timeout_s=self.timeout_s,
+            verifier=self.verifier,
             cosine_length={"max_len": self.cosine_max_len},
             repetition={"ngram": self.repetition_ngram, "max_penalty": self.repetition_max_penalty},
         )
@@ -415,6 +421,9 @@ class RunConfig:
     """Checkpoints kept; older ones are removed once a newer one is complete."""
     eval_every: int = 0
     """Evaluate eval.benchmarks every k steps (and after the last); 0: never."""
+    eval_at_start: bool = False
+    """Also evaluate before the first step (a metrics line with step 0), so that the run's
+    summary reads "held-out accuracy: before -> after"."""
     log_every: int = 1
     """Console lines, TensorBoard and W&B every k steps (metrics.jsonl gets every step)."""
     resume: str = "auto"

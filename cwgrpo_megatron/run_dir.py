@@ -8,6 +8,7 @@
     tb/                         TensorBoard events
     checkpoints/step_NNNNNNNN/  training checkpoints (`megatron.train_checkpoint`)
     hf/                         the HF export of the policy
+    summary.txt                 the end of a start: seconds per phase, held-out before -> after
 
 Every file is written by rank 0 into a temporary name and renamed, except metrics.jsonl, which
 is appended line by line; on resume it is rewritten (atomically) to the steps the checkpoint
@@ -67,6 +68,10 @@ class RunDir:
 
     def eval(self, step: int) -> Path:
         return self.root / "eval" / f"step_{step:08d}.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.txt"
 
 
 def prepare(cfg: Config) -> RunDir:

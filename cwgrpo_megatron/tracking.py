@@ -1,5 +1,6 @@
 """Where a step's metrics go, on rank 0: metrics.jsonl (every step, appended and flushed), a
-tqdm bar, and every run.log_every steps a console line, TensorBoard and Weights & Biases.
+tqdm bar, and every run.log_every steps a console line, TensorBoard and Weights & Biases. At
+the end, `summary()` gives the time per phase and the first and last evaluation.
 
 Other ranks hold a tracker that does nothing, so the loop calls it unconditionally.
 """
@@ -17,6 +18,7 @@ from tqdm import tqdm
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.run_dir import RunDir
+from cwgrpo_megatron.step_metrics import PHASES
 
 log = logging.getLogger("cwgrpo_megatron.train")
 BAR_KEYS = {"reward/mean": "reward", "actor/entropy": "entropy", "timing_s/step": "s/step"}
@@ -41,6 +43,10 @@ class Tracker:
     def __init__(self, cfg: Config, run: RunDir, *, start_step: int, enabled: bool) -> None:
         self.enabled = enabled
         self.every = cfg.run.log_every
+        self.heldout_key = f"eval/heldout/avg@{cfg.eval.n}"
+        self.phase_seconds: dict[str, float] = {}
+        self.steps_logged = 0
+        self.evals: list[dict[str, float]] = []
         self.file = self.tb = self.wandb = self.bar = None
         if not enabled:
             return
@@ -56,13 +62,17 @@ class Tracker:
             total=cfg.rollout_steps, initial=start_step, desc="training", unit="step", leave=True
         )
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
+        """One metrics line; `advance=False` for a line that is not a training step (the
+        evaluation before the first one)."""
         if not self.enabled:
             return
         line = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(line) + "\n")
         self.file.flush()
-        self.bar.update(1)
+        self._remember(metrics, advance)
+        if advance:
+            self.bar.update(1)
         self.bar.set_postfix(
             {short: f"{metrics[k]:.3g}" for k, short in BAR_KEYS.items() if k in metrics},
             refresh=True,
@@ -77,6 +87,29 @@ class Tracker:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+
+    def _remember(self, metrics: dict[str, float], advance: bool) -> None:
+        self.steps_logged += advance
+        for key, value in metrics.items():
+            if key.startswith("timing_s/"):
+                phase = key.removeprefix("timing_s/")
+                self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + value
+        evals = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if evals:
+            self.evals.append(evals)
+
+    def summary(self) -> list[str]:
+        """Lines for the end of a run: seconds per phase over the steps this process ran, and,
+        when the held-out set was evaluated at least twice, "held-out accuracy: a -> b"."""
+        if not self.enabled or not self.steps_logged:
+            return []
+        seconds = self.phase_seconds
+        phases = "  ".join(f"{k} {seconds[k]:.1f}" for k in PHASES if seconds.get(k, 0) > 0)
+        lines = [f"time per phase over {self.steps_logged} steps (s): {phases}"]
+        held = [e[self.heldout_key] for e in self.evals if self.heldout_key in e]
+        if len(held) >= 2:
+            lines.append(f"held-out accuracy: {held[0]:.2f} -> {held[-1]:.2f}")
+        return lines
 
     def close(self) -> None:
         for sink in (self.bar, self.tb):

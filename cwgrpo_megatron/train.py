@@ -83,6 +83,8 @@ def run(argv=None, *, default_config: str | None = None) -> int:
         finally:
             trainer.close()
         log.info("done: %s", trainer.run.root)
+        for line in trainer.summary():
+            print(line, flush=True)
         return 0
     except Exception as err:
         # what a user can act on is its message; anything else (a bug) keeps its traceback

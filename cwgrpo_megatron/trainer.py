@@ -29,6 +29,7 @@ from cwgrpo_megatron.data.batching import batch_from_rollouts, shard_prompts
 from cwgrpo_megatron.data.prompts import PromptSampler
 from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, world_group
 from cwgrpo_megatron.eval.runner import evaluate, write_json
+from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.megatron import parallel, train_checkpoint
 from cwgrpo_megatron.megatron.conversion import export_hf
 from cwgrpo_megatron.megatron.train_step import train_step
@@ -106,6 +107,8 @@ class Trainer:
     verifier: SyncVerifier | None
 
     def fit(self) -> None:
+        if self.cfg.run.eval_at_start and self.cfg.eval.benchmarks and self.state.step == 0:
+            self.evaluate_before_training()
         while self.state.step < self.cfg.rollout_steps:
             self.train_one_step()
         if self.cfg.run.export_hf == "at_end":
@@ -146,6 +149,20 @@ class Trainer:
         metrics.update(timing_metrics(timer.seconds, tokens=step_tokens(scored)))
         self.tracker.log(step, metrics)
         return metrics
+
+    def evaluate_before_training(self) -> None:
+        """The benchmarks once before step 1: a metrics line with step 0."""
+        timer = PhaseTimer()
+        with timer("eval"):
+            metrics = self.evaluate(0)
+        self.tracker.log(0, {**metrics, "timing_s/eval": timer.seconds["eval"]}, advance=False)
+
+    def summary(self) -> list[str]:
+        """The run's closing lines (rank 0; none elsewhere), also written to summary.txt."""
+        lines = self.tracker.summary()
+        if lines:
+            write_atomic(self.run.summary, "\n".join(lines) + "\n")
+        return lines
 
     # ---- the phases ----------------------------------------------------------------------
 

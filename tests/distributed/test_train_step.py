@@ -254,23 +254,13 @@ def test_gradient_clipping_bounds_the_update():
     assert moved_clipped < 0.5 * moved_free
 
 
-@pytest.mark.parametrize(
-    "loss, extra, picked",
-    [
-        pytest.param(
-            "clip_cov",
-            ["algo.clip_cov_ratio=0.05", "algo.clip_cov_lb=0.05"],
-            "clip_cov_frac",
-            id="clip_cov",
-        ),
-        pytest.param("kl_cov", ["algo.kl_cov_ratio=0.05"], "kl_cov_frac", id="kl_cov"),
-    ],
-)
-def test_covariance_baselines_agree_across_layouts(loss, extra, picked):
-    """Clip-Cov's draws hash each token's global position and KL-Cov breaks ties in global
-    token order, so both pick the same tokens at DP1 and DP2; two PPO mini-batches make the
-    second one off-policy (clip_cov's band then excludes tokens PPO clipped)."""
-    overrides = [f"algo.policy_loss={loss}", *extra]
+def test_clip_cov_picks_the_same_tokens_at_every_layout():
+    """Clip-Cov's draws hash each token's global position (the train step's row order), so it
+    picks the same tokens at DP1 and TP2xDP2; two PPO mini-batches make the second one
+    off-policy (the band then excludes tokens PPO clipped). kl_cov's tie-break by the same
+    order is tested across ranks in test_covariance_dist.py."""
+    loss, picked = "clip_cov", "clip_cov_frac"
+    overrides = [f"algo.policy_loss={loss}", "algo.clip_cov_ratio=0.05", "algo.clip_cov_lb=0.05"]
     ref = layout("tp1-pp1-dp1-mb4", overrides, mini_batches=2)
     assert all(m[picked] > 0 for m in ref["metrics"]), [m[picked] for m in ref["metrics"]]
     grpo = layout("tp1-pp1-dp1-mb4", ["algo.policy_loss=grpo"], mini_batches=2)

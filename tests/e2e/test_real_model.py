@@ -73,3 +73,71 @@ def test_training_smollm2_passes_the_sync_check_every_step(smollm2, tmp_path):
     assert all(r["sync/gap"] <= r["sync/tol"] for r in rows), rows
     assert all(r["actor/grad_norm"] > 0 for r in rows), "no step moved the weights"
     assert rows[-1]["actor/kl"] > 0
+
+
+def test_the_import_equals_transformers_gguf_load_and_is_cached(smollm2):
+    """The written checkpoint's logits equal those of transformers' own GGUF load (the same
+    de-quantized tensors), and a second import keeps the folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cwgrpo_megatron.convert.gguf_import import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    tokens = torch.tensor([[1, 504, 3458, 314, 260, 1345, 30, 216, 28, 33, 34, 35]])
+    with torch.no_grad():
+        imported = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+        mine = imported(tokens).logits
+        del imported
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        theirs = loaded(tokens).logits
+    assert torch.equal(mine, theirs)
+    again = subprocess.run(
+        [sys.executable, "tools/import_gguf.py", "--out", str(smollm2)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0 and "already holds" in again.stdout, again.stderr
+
+
+def test_a_short_demo_run_trains_and_reports_heldout_before_and_after(smollm2, tmp_path):
+    """configs/demo_cpu.yaml cut to 2 steps of 2 prompts: the pipeline `make demo` runs (the
+    synthetic task, integer reward, evaluation before and after, the summary, the figure)."""
+    out = tmp_path / "demo"
+    args = [
+        "--config",
+        "configs/demo_cpu.yaml",
+        f"model.path={smollm2}",
+        f"run.out_dir={out}",
+        "train.total_steps=2",
+        "train.prompts_per_step=2",
+        "train.group_size=4",
+        "train.micro_batch_size=4",
+        "data.heldout_size=8",
+        "run.eval_every=2",
+        "run.verify_sync=1",
+    ]
+    code, log = launch([sys.executable, "-m", "cwgrpo_megatron.train", *args], timeout=600)
+    assert code == 0, log
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/heldout/avg@1" in rows[0] and "eval/heldout/avg@1" in rows[-1]
+    assert all(r["sync/gap"] <= r["sync/tol"] for r in rows[1:])
+    assert "reward/integer_answer" in rows[1]
+    summary = (out / "summary.txt").read_text().splitlines()
+    before, after = rows[0]["eval/heldout/avg@1"], rows[-1]["eval/heldout/avg@1"]
+    assert summary[-1] == f"held-out accuracy: {before:.2f} -> {after:.2f}"
+    assert log.rstrip().splitlines()[-1] == summary[-1]
+    plot = subprocess.run(
+        [sys.executable, "tools/compare_runs.py", str(out), "--out", str(out), "--quiet"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert plot.returncode == 0, plot.stderr
+    assert (out / "compare.png").stat().st_size > 10_000

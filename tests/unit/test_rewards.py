@@ -178,7 +178,13 @@ def test_cosine_length_reward_is_clamped():
 def test_weighted_combination_and_registry():
     combo = WeightedReward({"format": 0.5})
     assert combo(completions=["x\n</think>\ny", "x"], answers=["", ""]) == [0.5, 0.0]
-    assert REWARDS.names() == ["accuracy", "cosine_length", "format", "repetition"]
+    assert REWARDS.names() == [
+        "accuracy",
+        "cosine_length",
+        "format",
+        "integer_answer",
+        "repetition",
+    ]
     with pytest.raises(ValueError, match="unknown reward 'length'; choose one of: accuracy"):
         get_reward("length")
 

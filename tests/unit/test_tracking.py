@@ -46,3 +46,22 @@ def test_a_disabled_tracker_writes_nothing(tmp_path):
     tracker.log(1, {"reward/mean": 1.0})
     tracker.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_summary_gives_phase_times_and_heldout_before_and_after(tmp_path):
+    tracker = _tracker(tmp_path, start_step=0)
+    tracker.log(0, {"eval/heldout/avg@1": 0.328, "timing_s/eval": 2.0}, advance=False)
+    for step in (1, 2):
+        tracker.log(step, {"reward/mean": 0.5, "timing_s/rollout": 1.5, "timing_s/step": 4.0})
+    tracker.log(3, {"eval/heldout/avg@1": 0.914, "timing_s/eval": 1.0, "timing_s/step": 2.0})
+    tracker.close()
+    assert tracker.summary() == [
+        "time per phase over 3 steps (s): rollout 3.0  eval 3.0  step 10.0",
+        "held-out accuracy: 0.33 -> 0.91",
+    ]
+    assert tracker.bar.n == 3, "the evaluation before step 1 is not a step"
+    (tmp_path / "b").mkdir()
+    once = _tracker(tmp_path / "b", start_step=0)
+    once.log(1, {"eval/heldout/avg@1": 0.5, "timing_s/step": 1.0})
+    once.close()
+    assert once.summary() == ["time per phase over 1 steps (s): step 1.0"]

@@ -1,0 +1,234 @@
+"""Compare training runs from their metrics.jsonl: a figure of the curves and a table per group.
+
+Runs are grouped by a label (default: the run's algo.policy_loss from its config.yaml); a group
+of several seeds is drawn as its mean with a min-max band, and tabulated as mean +- std over its
+runs (sample std, ddof = 1; 0 for a single run). Per run:
+
+    final reward             reward/mean of the last step
+    final held-out accuracy  the last eval/heldout/avg@n
+    first step >= 0.9        the first step whose 5-step mean reward (steps t-4..t) is >= 0.9;
+                             runs that never get there are counted, not averaged
+    entropy range / std      max - min and population std of actor/entropy over the steps
+    entropy at matched reward   mean actor/entropy over the steps whose 5-step mean reward lies
+                             in [lo, hi) (REWARD_BINS); runs with no such step are left out
+
+The last one separates "a narrower entropy band" from "learning more slowly": two algorithms
+compared at the same reward, not at the same step.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+WINDOW = 5
+TARGET_REWARD = 0.9
+REWARD_BINS = ((0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9))
+PANELS = (
+    ("reward", ("reward/mean",)),
+    ("held-out accuracy", ("eval/heldout/avg@*",)),
+    ("entropy (nats)", ("actor/entropy",)),
+    ("response length (tokens)", ("response_length/mean",)),
+    ("CW weights", ("cw/w_min", "cw/frac_w_below_half")),
+    ("grad norm", ("actor/grad_norm",)),
+)
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str
+    lines: list[dict] = field(default_factory=list)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of `key` (a glob, e.g. eval/heldout/avg@*), finite values only."""
+        steps, values = [], []
+        for line in self.lines:
+            for name, value in line.items():
+                if name != "step" and fnmatch.fnmatch(name, key) and _finite(value):
+                    steps.append(int(line["step"]))
+                    values.append(float(value))
+                    break
+        return steps, values
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def read_run(path: str | Path, label: str | None = None) -> Run:
+    """A run folder (or its metrics.jsonl); ValueError naming what is missing or malformed."""
+    path = Path(path)
+    metrics = path / "metrics.jsonl" if path.is_dir() else path
+    root = metrics.parent
+    if not metrics.is_file():
+        raise ValueError(f"{path}: no metrics.jsonl (is it a run folder of cwgrpo_megatron.train?)")
+    lines = []
+    for number, text in enumerate(metrics.read_text().splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{metrics}:{number}: not valid JSON ({err.msg})") from None
+        if not isinstance(line, dict) or "step" not in line:
+            raise ValueError(f"{metrics}:{number}: a metrics line needs a step")
+        lines.append(line)
+    if label is None:
+        label = _policy_loss(root) or root.name
+    return Run(path=root, label=label, lines=lines)
+
+
+def _policy_loss(root: Path) -> str | None:
+    config = root / "config.yaml"
+    if not config.is_file():
+        return None
+    data = yaml.safe_load(config.read_text()) or {}
+    return (data.get("algo") or {}).get("policy_loss")
+
+
+def label_runs(paths: Sequence[str | Path], labels: Sequence[str] = ()) -> list[Run]:
+    """Runs labelled by `NAME=GLOB` rules (first match wins; GLOB matches the folder path),
+    else by policy loss."""
+    rules = []
+    for rule in labels:
+        name, sep, pattern = rule.partition("=")
+        if not sep or not name or not pattern:
+            raise ValueError(f"--label {rule!r}: write NAME=GLOB, e.g. cw_grpo='runs/cw_*'")
+        rules.append((name, pattern))
+    runs = []
+    for path in paths:
+        label = next((n for n, g in rules if fnmatch.fnmatch(str(path), g)), None)
+        runs.append(read_run(path, label))
+    return runs
+
+
+def groups_of(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    out: dict[str, list[Run]] = {}
+    for run in runs:
+        out.setdefault(run.label, []).append(run)
+    return out
+
+
+# ---- per-run statistics ----------------------------------------------------------------------
+
+
+def rolling_reward(run: Run) -> dict[int, float]:
+    """step -> mean reward/mean over that step and the WINDOW - 1 before it (full windows)."""
+    steps, values = run.series("reward/mean")
+    out = {}
+    for i in range(WINDOW - 1, len(values)):
+        out[steps[i]] = sum(values[i - WINDOW + 1 : i + 1]) / WINDOW
+    return out
+
+
+def run_stats(run: Run) -> dict[str, float | None]:
+    rewards = run.series("reward/mean")[1]
+    held = run.series("eval/heldout/avg@*")[1]
+    entropy_steps, entropy = run.series("actor/entropy")
+    rolling = rolling_reward(run)
+    reached = [s for s, r in rolling.items() if r >= TARGET_REWARD]
+    stats: dict[str, float | None] = {
+        "final reward": rewards[-1] if rewards else None,
+        "final held-out accuracy": held[-1] if held else None,
+        "first step >= 0.9": min(reached) if reached else None,
+        "entropy range": max(entropy) - min(entropy) if entropy else None,
+        "entropy std": statistics.pstdev(entropy) if entropy else None,
+    }
+    by_step = dict(zip(entropy_steps, entropy, strict=True))
+    for lo, hi in REWARD_BINS:
+        inside = [by_step[s] for s, r in rolling.items() if lo <= r < hi and s in by_step]
+        stats[f"entropy at reward {lo:.1f}-{hi:.1f}"] = (
+            sum(inside) / len(inside) if inside else None
+        )
+    return stats
+
+
+def group_table(runs: Sequence[Run]) -> list[tuple[str, str]]:
+    """(statistic, "mean +- std (n runs)") rows for one group."""
+    per_run = [run_stats(r) for r in runs]
+    rows = []
+    for name in per_run[0]:
+        values = [s[name] for s in per_run if s[name] is not None]
+        if not values:
+            cell = "-"
+        else:
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            cell = f"{statistics.fmean(values):.3f} ± {std:.3f}"
+            if len(values) < len(runs):
+                cell += f" ({len(values)} of {len(runs)} runs)"
+        rows.append((name, cell))
+    return rows
+
+
+def markdown(runs: Sequence[Run]) -> str:
+    lines = []
+    for label, members in groups_of(runs).items():
+        lines.append(f"### {label} ({len(members)} run{'s' if len(members) > 1 else ''})")
+        lines.append("")
+        lines.append("| statistic | mean ± std over runs |")
+        lines.append("|---|---|")
+        lines += [f"| {name} | {cell} |" for name, cell in group_table(members)]
+        lines.append("")
+        lines.append("Runs: " + ", ".join(f"`{r.path}`" for r in members))
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---- the figure ------------------------------------------------------------------------------
+
+
+def _band(runs: Sequence[Run], key: str):
+    """Steps present in every run, and the mean / min / max over runs at each."""
+    series = [dict(zip(*r.series(key), strict=True)) for r in runs]
+    common = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    values = [[s[t] for s in series] for t in common]
+    return (
+        common,
+        [statistics.fmean(v) for v in values],
+        [min(v) for v in values],
+        [max(v) for v in values],
+    )
+
+
+def plot(runs: Sequence[Run], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+        for g, (label, members) in enumerate(groups_of(runs).items()):
+            for k, key in enumerate(keys):
+                steps, mean, low, high = _band(members, key)
+                if not steps:
+                    continue
+                style = "-" if k == 0 else "--"
+                name = label if len(keys) == 1 else f"{label} {key.split('/')[-1]}"
+                colour = colours[g % len(colours)]
+                marker = "o" if len(steps) < 4 else None
+                ax.plot(steps, mean, style, color=colour, label=name, marker=marker)
+                if len(members) > 1:
+                    ax.fill_between(steps, low, high, color=colour, alpha=0.2)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle("mean over seeds, band: min-max")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out)
+    return out

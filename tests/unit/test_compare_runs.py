@@ -1,0 +1,94 @@
+"""tools/compare_runs.py on hand-made runs with known values: exact statistics, the figure."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cwgrpo_megatron.run_compare import label_runs, markdown, read_run, run_stats
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_run(root: Path, loss: str, rewards, entropies, heldout=(0.25, 0.75)) -> Path:
+    root.mkdir(parents=True)
+    (root / "config.yaml").write_text(f"algo:\n  policy_loss: {loss}\n")
+    lines = [{"step": 0, "eval/heldout/avg@1": heldout[0]}]
+    for step, (r, e) in enumerate(zip(rewards, entropies, strict=True), start=1):
+        lines.append(
+            {
+                "step": step,
+                "reward/mean": r,
+                "actor/entropy": e,
+                "response_length/mean": 10.0 + step,
+                "cw/w_min": 0.5,
+                "cw/frac_w_below_half": 0.1,
+                "actor/grad_norm": "nan" if step == 2 else 1.0,
+            }
+        )
+    lines[-1]["eval/heldout/avg@1"] = heldout[1]
+    (root / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return root
+
+
+REWARDS = [0.1, 0.3, 0.5, 0.7, 0.9, 0.9, 1.0, 1.0]  # 5-step means: 0.5, 0.66, 0.8, 0.9
+ENTROPY = [2.0, 1.8, 1.6, 1.4, 1.2, 1.0, 0.8, 0.6]
+
+
+def test_run_statistics_are_exact(tmp_path):
+    run = read_run(write_run(tmp_path / "a", "cw_grpo", REWARDS, ENTROPY))
+    stats = run_stats(run)
+    assert stats["final reward"] == 1.0
+    assert stats["final held-out accuracy"] == 0.75
+    assert stats["first step >= 0.9"] == 8  # the 5-step mean of steps 4-8 is 0.9
+    assert stats["entropy range"] == pytest.approx(1.4)
+    assert stats["entropy std"] == pytest.approx(0.458257569, rel=1e-8)  # pstdev of ENTROPY
+    assert stats["entropy at reward 0.5-0.6"] == pytest.approx(1.2)  # step 5 only
+    assert stats["entropy at reward 0.6-0.7"] == pytest.approx(1.0)  # step 6 (0.66)
+    assert stats["entropy at reward 0.8-0.9"] == pytest.approx(0.8)  # step 7 (0.8)
+    assert stats["entropy at reward 0.7-0.8"] is None
+
+
+def test_groups_give_mean_and_std_over_seeds(tmp_path):
+    write_run(tmp_path / "grpo_s0", "grpo", REWARDS, ENTROPY, heldout=(0.2, 0.6))
+    write_run(tmp_path / "grpo_s1", "grpo", REWARDS, ENTROPY, heldout=(0.2, 0.8))
+    write_run(tmp_path / "cw_s0", "cw_grpo", [0.1] * 8, ENTROPY)
+    runs = label_runs(sorted(tmp_path.iterdir()))
+    table = markdown(runs)
+    assert "### grpo (2 runs)" in table and "### cw_grpo (1 run)" in table
+    assert "| final held-out accuracy | 0.700 ± 0.141 |" in table  # sample std of 0.6, 0.8
+    assert "| first step >= 0.9 | 8.000 ± 0.000 |" in table
+    assert "| first step >= 0.9 | - |" in table  # cw_grpo never reaches it
+    relabelled = label_runs(sorted(tmp_path.iterdir()), ["mine=*cw_*", "theirs=*grpo_*"])
+    assert {r.label for r in relabelled} == {"mine", "theirs"}
+    with pytest.raises(ValueError, match="NAME=GLOB"):
+        label_runs([tmp_path / "cw_s0"], ["nonsense"])
+
+
+def test_the_tool_writes_the_figure_and_the_table(tmp_path):
+    for seed in range(2):
+        write_run(tmp_path / f"runs/grpo_s{seed}", "grpo", REWARDS, ENTROPY)
+        write_run(tmp_path / f"runs/cw_s{seed}", "cw_grpo", REWARDS[::-1], ENTROPY)
+    out = tmp_path / "cmp"
+    runs = sorted(str(p) for p in (tmp_path / "runs").iterdir())
+    done = subprocess.run(
+        [sys.executable, "tools/compare_runs.py", *runs, "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    png = (out / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    assert (out / "compare.md").read_text().startswith("### ")
+    bad = subprocess.run(
+        [sys.executable, "tools/compare_runs.py", str(tmp_path), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "no metrics.jsonl" in bad.stderr

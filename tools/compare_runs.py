@@ -1,0 +1,51 @@
+"""Compare training runs: compare.png (reward, held-out accuracy, entropy, response length, CW
+weights, grad norm) and compare.md (per group, mean +- std over seeds, incl. entropy at matched
+reward). See cwgrpo_megatron/run_compare.py for every statistic's definition.
+
+    python tools/compare_runs.py runs/grpo_s* runs/cw_s* --out docs/results
+    python tools/compare_runs.py runs/a runs/b --label A='runs/a*' --label B='runs/b*' --out cmp
+
+Runs are grouped by their algo.policy_loss unless a --label NAME=GLOB rule matches the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl)")
+    parser.add_argument("--out", required=True, help="folder for compare.png and compare.md")
+    parser.add_argument(
+        "--label", action="append", default=[], metavar="NAME=GLOB", help="group rule (repeatable)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="print only where the files went")
+    args = parser.parse_args(argv)
+    from cwgrpo_megatron.files import write_atomic
+    from cwgrpo_megatron.run_compare import label_runs, markdown, plot
+
+    try:
+        runs = label_runs(args.runs, args.label)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(runs)
+    write_atomic(out / "compare.md", table)
+    plot(runs, out / "compare.png")
+    if not args.quiet:
+        print(table)
+    print(f"wrote {out / 'compare.png'} and {out / 'compare.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
