@@ -46,7 +46,7 @@ class Tracker:
         self.heldout_key = f"eval/heldout/avg@{cfg.eval.n}"
         self.phase_seconds: dict[str, float] = {}
         self.steps_logged = 0
-        self.evals: list[dict[str, float]] = []
+        self.heldout: list[float] = []
         self.file = self.tb = self.wandb = self.bar = None
         if not enabled:
             return
@@ -94,9 +94,8 @@ class Tracker:
             if key.startswith("timing_s/"):
                 phase = key.removeprefix("timing_s/")
                 self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + value
-        evals = {k: v for k, v in metrics.items() if k.startswith("eval/")}
-        if evals:
-            self.evals.append(evals)
+        if self.heldout_key in metrics:
+            self.heldout.append(metrics[self.heldout_key])
 
     def summary(self) -> list[str]:
         """Lines for the end of a run: seconds per phase over the steps this process ran, and,
@@ -106,9 +105,8 @@ class Tracker:
         seconds = self.phase_seconds
         phases = "  ".join(f"{k} {seconds[k]:.1f}" for k in PHASES if seconds.get(k, 0) > 0)
         lines = [f"time per phase over {self.steps_logged} steps (s): {phases}"]
-        held = [e[self.heldout_key] for e in self.evals if self.heldout_key in e]
-        if len(held) >= 2:
-            lines.append(f"held-out accuracy: {held[0]:.2f} -> {held[-1]:.2f}")
+        if len(self.heldout) >= 2:
+            lines.append(f"held-out accuracy: {self.heldout[0]:.2f} -> {self.heldout[-1]:.2f}")
         return lines
 
     def close(self) -> None:

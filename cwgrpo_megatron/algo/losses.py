@@ -150,10 +150,15 @@ class PolicyLoss:
         return LossOutput(loss_sum, count, metrics)
 
 
+def log_ratio(logp: Tensor, old_logp: Tensor, cfg: AlgoConfig) -> Tensor:
+    """log rho = clamp(l - l_old, +-log_ratio_clamp) `[b, s]`; a clamped token gets no gradient
+    through it, and exp of it cannot overflow."""
+    return (logp - old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+
+
 def policy_ratio(logp: Tensor, old_logp: Tensor, cfg: AlgoConfig) -> Tensor:
-    """rho = exp(clamp(l - l_old, +-log_ratio_clamp)) `[b, s]`; a clamped token gets no gradient
-    through rho, and exp cannot overflow."""
-    return torch.exp((logp - old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+    """rho = exp(`log_ratio`) `[b, s]`."""
+    return torch.exp(log_ratio(logp, old_logp, cfg))
 
 
 class Surrogate(NamedTuple):
@@ -314,9 +319,9 @@ class KLCovLoss(PolicyLoss):
 
     def token_loss(self, batch, cfg):
         selected = _require_stat(batch, self.name)
-        log_ratio = (batch.logp - batch.old_logp).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-        ratio = torch.exp(log_ratio)
-        penalty = cfg.kl_cov_coef * log_ratio.abs()
+        log_rho = log_ratio(batch.logp, batch.old_logp, cfg)
+        ratio = torch.exp(log_rho)
+        penalty = cfg.kl_cov_coef * log_rho.abs()
         return -ratio * batch.advantages + selected * penalty, ratio, {}
 
 
