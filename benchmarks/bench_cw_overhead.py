@@ -1,8 +1,9 @@
 """Cost of CW-GRPO's kernel weights: the cw_grpo loss (weights included) against grpo.
 
 Both run the same step on the same tensors: `prepare` over the local mini-batch (for cw_grpo:
-the three-pass covariance statistics and w~; for grpo: nothing), then forward + backward of the
-policy loss per micro-batch. Two settings:
+the covariance statistics and w~; for grpo: the same statistics, which both losses log as
+cw/sigma and cw/top1pct_cov_share, without w~), then forward + backward of the policy loss per
+micro-batch. The ratio is therefore the cost of the kernel weights themselves. Two settings:
 
     loss only     [b, s] log-probs in, the loss and its gradient w.r.t. the log-probs
     from logits   the same, with the log-probs computed from a [b, s, V] logits shard by

@@ -141,7 +141,11 @@ def build_trainer(cfg: Config) -> Trainer:
             verifier = SyncVerifier(min_tol=cfg.run.verify_sync_tol)
             gap = verifier.calibrate(actor.model, arch, engine)
             if rank0:
-                log.info("sync check: start gap %.2e, tolerance %.2e", gap, verifier.tol)
+                tol = verifier.tol
+                log.info(
+                    "sync check: start gap %.2e (mean %.2e), tolerance %.2e (mean %.2e)",
+                    *(gap.max, gap.mean, tol.max, tol.mean),
+                )
         state = LoopState(step=0, sampler=PromptSampler(len(train_set), seed=cfg.data.seed))
         saved_line = _resume(cfg, run, actor, state, group)
         if state.step:  # the engine still holds the start checkpoint

@@ -325,6 +325,12 @@ class RolloutConfig:
     """vLLM's share of GPU memory when colocated with training."""
     enable_sleep_mode: bool = True
     """Free vLLM's KV cache and weights during training (GPU only; a no-op on CPU)."""
+    enforce_eager: bool = True
+    """Run vLLM eagerly; false compiles the model (torch.compile, and CUDA graphs on GPU). On
+    2 CPU cores with SmolLM2-135M (the demo's rollouts, benchmarks/bench_vllm_compile.py),
+    compiling adds 131 s to the engine's start with an empty compile cache (81 s with a warm
+    one) and saves 0.28 s (0.96 s) of an 8.5 s rollout: it pays after some 470 (84) steps,
+    not within the demo's 8."""
     shm_dir: str = "/dev/shm"
     """Where the vLLM engine's weight-sync buffer lives: a tmpfs with room for one copy of the
     model in the engine dtype, kept while the engine runs."""
@@ -436,8 +442,9 @@ class RunConfig:
     """Check the engine's log-probs against the trainer's after every k-th weight sync
     (`sync_check.SyncVerifier`); 0: never."""
     verify_sync_tol: float = 1e-4
-    """The verdict's floor: a sync fails when the engine-vs-trainer gap exceeds
-    max(verify_sync_tol, 10 x the gap measured on the start checkpoint)."""
+    """The verdict's floor: a sync fails when the engine-vs-trainer gap, at its worst token or
+    on average, exceeds max(verify_sync_tol, 10 x the same gap measured on the start
+    checkpoint)."""
     samples_gzip: bool = True
     """Write samples/step_NNNNNNNN.jsonl.gz (gzip) rather than plain .jsonl."""
 
@@ -597,6 +604,7 @@ class Config:
             kv_cache_bytes=r.kv_cache_mb << 20,
             gpu_memory_utilization=r.gpu_memory_utilization,
             enable_sleep_mode=r.enable_sleep_mode,
+            enforce_eager=r.enforce_eager,
             shm_dir=r.shm_dir,
         )
 

@@ -4,13 +4,17 @@ Runs are grouped by a label (default: the run's algo.policy_loss from its config
 of several seeds is drawn as its mean with a min-max band, and tabulated as mean +- std over its
 runs (sample std, ddof = 1; 0 for a single run). Per run:
 
+    initial / final held-out accuracy   the first and the last eval/heldout/avg@n
     final reward             reward/mean of the last step
-    final held-out accuracy  the last eval/heldout/avg@n
     first step >= 0.9        the first step whose 5-step mean reward (steps t-4..t) is >= 0.9;
                              runs that never get there are counted, not averaged
     entropy range / std      max - min and population std of actor/entropy over the steps
     entropy at matched reward   mean actor/entropy over the steps whose 5-step mean reward lies
                              in [lo, hi) (REWARD_BINS); runs with no such step are left out
+    top-1% covariance share  mean cw/top1pct_cov_share over the steps with cw/sigma > 0:
+                             the share of sum |c| carried by the 1% of tokens of largest |c|
+                             ("extreme tokens"; undefined when every c is 0)
+    wall time (s)            sum of timing_s/step and of the step-0 evaluation's timing_s/eval
 
 The last one separates "a narrower entropy band" from "learning more slowly": two algorithms
 compared at the same reward, not at the same step.
@@ -31,6 +35,10 @@ import yaml
 WINDOW = 5
 TARGET_REWARD = 0.9
 REWARD_BINS = ((0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9))
+# Steps where every advantage is its pool's mean (every group's rewards equal) have c = 0 on
+# every token and sigma = 0: the share is undefined there, and the CW weights are all 1 but
+# weigh nothing (A = 0), so such steps are left out of these curves and statistics.
+SIGNAL_ONLY = {"cw/top1pct_cov_share", "cw/w_min", "cw/frac_w_below_half"}
 PANELS = (
     ("reward", ("reward/mean",)),
     ("held-out accuracy", ("eval/heldout/avg@*",)),
@@ -38,6 +46,8 @@ PANELS = (
     ("response length (tokens)", ("response_length/mean",)),
     ("CW weights", ("cw/w_min", "cw/frac_w_below_half")),
     ("grad norm", ("actor/grad_norm",)),
+    ("top-1% tokens' share of sum |c|", ("cw/top1pct_cov_share",)),
+    ("sigma of c (kernel bandwidth)", ("cw/sigma",)),
 )
 
 
@@ -48,9 +58,12 @@ class Run:
     lines: list[dict] = field(default_factory=list)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of `key` (a glob, e.g. eval/heldout/avg@*), finite values only."""
+        """(steps, values) of `key` (a glob, e.g. eval/heldout/avg@*), finite values only;
+        for the SIGNAL_ONLY keys, only steps with a learning signal (cw/sigma > 0)."""
         steps, values = [], []
         for line in self.lines:
+            if key in SIGNAL_ONLY and not line.get("cw/sigma", 0.0) > 0:
+                continue
             for name, value in line.items():
                 if name != "step" and fnmatch.fnmatch(name, key) and _finite(value):
                     steps.append(int(line["step"]))
@@ -135,9 +148,16 @@ def run_stats(run: Run) -> dict[str, float | None]:
     entropy_steps, entropy = run.series("actor/entropy")
     rolling = rolling_reward(run)
     reached = [s for s, r in rolling.items() if r >= TARGET_REWARD]
+    extreme = run.series("cw/top1pct_cov_share")[1]
+    seconds = run.series("timing_s/step")[1] + [
+        line["timing_s/eval"]
+        for line in run.lines
+        if line.get("step") == 0 and _finite(line.get("timing_s/eval"))
+    ]
     stats: dict[str, float | None] = {
-        "final reward": rewards[-1] if rewards else None,
+        "initial held-out accuracy": held[0] if len(held) > 1 else None,
         "final held-out accuracy": held[-1] if held else None,
+        "final reward": rewards[-1] if rewards else None,
         "first step >= 0.9": min(reached) if reached else None,
         "entropy range": max(entropy) - min(entropy) if entropy else None,
         "entropy std": statistics.pstdev(entropy) if entropy else None,
@@ -148,6 +168,8 @@ def run_stats(run: Run) -> dict[str, float | None]:
         stats[f"entropy at reward {lo:.1f}-{hi:.1f}"] = (
             sum(inside) / len(inside) if inside else None
         )
+    stats["top-1% covariance share"] = statistics.fmean(extreme) if extreme else None
+    stats["wall time (s)"] = sum(seconds) if seconds else None
     return stats
 
 
@@ -204,7 +226,7 @@ def plot(runs: Sequence[Run], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(2, 4, figsize=(19, 8))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
         for g, (label, members) in enumerate(groups_of(runs).items()):

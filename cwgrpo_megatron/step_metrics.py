@@ -9,19 +9,24 @@
     groups/frac_zero_std              share of prompt groups whose rewards are all equal (A = 0)
     actor/*, cw/*, rollout/gap_*      the loss's metrics (`algo.metrics`, reduced over the global
                                       batch), averaged over the step's PPO mini-batches
-    sync/gap, sync/tol                engine-vs-trainer log-prob gap after the sync and the
-                                      check's tolerance, on steps where run.verify_sync checks
+    sync/gap, sync/tol                engine-vs-trainer log-prob gap (worst token) after the
+    sync/gap_mean, sync/tol_mean      sync and the check's tolerance, and the same for the
+                                      mean over tokens, on steps where run.verify_sync checks
     timing_s/<phase>, perf/tokens_per_s
 
 cw/sigma is the population std of the covariance c over all counted tokens (the kernel's
 bandwidth in the global scope), cw/ess the effective sample size of the weights as a share of
-the tokens, ESS / N = 1 / E[w~^2].
+the tokens, ESS / N = 1 / E[w~^2], and cw/top1pct_cov_share the share of sum |c| carried by
+the 1% of tokens of largest |c| (the paper's "extreme tokens"; from a histogram of c with bins
+a factor 1.33 wide, `algo.metrics.top_share`). The histogram of c itself goes to TensorBoard
+as cw/cov (`cov_histogram`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from cwgrpo_megatron.reward.repetition import repeated_ngram_fraction
 
@@ -42,6 +47,7 @@ LOSS_METRIC_NAMES = {
     "weight_max": "cw/w_max",
     "weight_frac_below_half": "cw/frac_w_below_half",
     "weight_ess_frac": "cw/ess",
+    "top1pct_cov_share": "cw/top1pct_cov_share",
     "rollout_gap_mean": "rollout/gap_mean",
     "rollout_gap_max": "rollout/gap_max",
 }
@@ -90,6 +96,45 @@ def actor_metrics(results) -> dict[str, float]:
             key = LOSS_METRIC_NAMES.get(name, f"actor/{name}")
             out[key] = _mean([r.metrics[name] for r in results])
     return out
+
+
+class Histogram(NamedTuple):
+    """A histogram in the form of TensorBoard's `add_histogram_raw`."""
+
+    min: float
+    max: float
+    num: float
+    sum: float
+    sum_squares: float
+    bucket_limits: list[float]
+    """The right edge of each bin."""
+    bucket_counts: list[float]
+
+
+def cov_histogram(results) -> Histogram | None:
+    """The covariance c of every token the step trained on: its mini-batches' histograms
+    (`algo.metrics.covariance_histogram`) summed; None when there are none. The sum and the sum
+    of squares are exact, from each mini-batch's cov_mean and cov_sq_mean."""
+    from cwgrpo_megatron.algo.metrics import COV_BINS, cov_bin_edges
+
+    if not results or "cov_hist_count" not in results[0].histograms:
+        return None
+    per_batch = [r.histograms["cov_hist_count"] for r in results]
+    counts = [sum(h[i] for h in per_batch) for i in range(COV_BINS)]
+    tokens = [sum(h) for h in per_batch]
+    if sum(tokens) == 0:
+        return None
+    edges = cov_bin_edges().tolist()
+    used = [i for i, k in enumerate(counts) if k > 0]
+    return Histogram(
+        min=edges[used[0]],
+        max=edges[used[-1] + 1],
+        num=sum(tokens),
+        sum=sum(r.metrics["cov_mean"] * n for r, n in zip(results, tokens, strict=True)),
+        sum_squares=sum(r.metrics["cov_sq_mean"] * n for r, n in zip(results, tokens, strict=True)),
+        bucket_limits=edges[1:],
+        bucket_counts=counts,
+    )
 
 
 def step_tokens(groups) -> int:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.run_dir import RunDir
-from cwgrpo_megatron.step_metrics import PHASES
+from cwgrpo_megatron.step_metrics import PHASES, Histogram
 
 log = logging.getLogger("cwgrpo_megatron.train")
 BAR_KEYS = {"reward/mean": "reward", "actor/entropy": "entropy", "timing_s/step": "s/step"}
@@ -62,9 +62,16 @@ class Tracker:
             total=cfg.rollout_steps, initial=start_step, desc="training", unit="step", leave=True
         )
 
-    def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
+    def log(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        *,
+        advance: bool = True,
+        histograms: dict[str, Histogram | None] | None = None,
+    ) -> None:
         """One metrics line; `advance=False` for a line that is not a training step (the
-        evaluation before the first one)."""
+        evaluation before the first one). `histograms` go to TensorBoard only."""
         if not self.enabled:
             return
         line = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
@@ -84,6 +91,9 @@ class Tracker:
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)
+            for key, hist in (histograms or {}).items():
+                if hist is not None:
+                    self.tb.add_histogram_raw(key, *hist, global_step=step)
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)

@@ -39,6 +39,7 @@ from cwgrpo_megatron.rollout.base import SamplingConfig, rollout_seed
 from cwgrpo_megatron.run_dir import write_samples
 from cwgrpo_megatron.step_metrics import (
     actor_metrics,
+    cov_histogram,
     rollout_metrics,
     step_tokens,
     timing_metrics,
@@ -147,7 +148,7 @@ class Trainer:
                     partial = timing_metrics(timer.seconds, tokens=step_tokens(scored))
                     self.save({"step": step, **metrics, **partial})
         metrics.update(timing_metrics(timer.seconds, tokens=step_tokens(scored)))
-        self.tracker.log(step, metrics)
+        self.tracker.log(step, metrics, histograms={"cw/cov": cov_histogram(results)})
         return metrics
 
     def evaluate_before_training(self) -> None:
@@ -211,8 +212,9 @@ class Trainer:
         every = self.cfg.run.verify_sync
         if not every or step % every:
             return {}
-        gap = self.verifier.check(self.actor.model, self.arch, self.engine)
-        return {"sync/gap": gap, "sync/tol": self.verifier.tol}
+        gap, tol = self.verifier.check(self.actor.model, self.arch, self.engine), self.verifier.tol
+        return {"sync/gap": gap.max, "sync/tol": tol.max, "sync/gap_mean": gap.mean,
+                "sync/tol_mean": tol.mean}  # fmt: skip
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Benchmarks through the engine on rank 0 (the other ranks wait for its verdict)."""

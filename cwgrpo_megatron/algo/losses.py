@@ -89,7 +89,9 @@ class Prepared(NamedTuple):
 
 
 class PolicyLoss:
-    """Base class: GRPO's clipped surrogate, no statistics pass."""
+    """Base class: GRPO's clipped surrogate. Its statistics pass computes the covariance c for
+    the diagnostics alone (`covariance_metrics`; 2 `reduce_sum` calls), so that GRPO and
+    CW-GRPO runs log the same cw/sigma and cw/top1pct_cov_share."""
 
     name = "grpo"
 
@@ -110,7 +112,8 @@ class PolicyLoss:
         `old_logp`: those of the policy that sampled (rho's denominator). None means they are
         the same, as in a rollout's first mini-batch.
         """
-        return Prepared(None, {})
+        stats = centred_covariance(policy_logp, advantages, mask, scope)
+        return Prepared(None, covariance_metrics(stats, mask))
 
     def token_loss(self, batch: PolicyBatch, cfg: AlgoConfig) -> tuple[Tensor, Tensor, Metrics]:
         """(per-token loss x, ratio rho, loss-specific metrics); tensors are `[b, s]`."""
@@ -242,7 +245,9 @@ class CovarianceWeightedLoss(PolicyLoss):
     def prepare(self, policy_logp, advantages, mask, *, scope, cfg, old_logp=None, generator=None):
         stats = centred_covariance(policy_logp, advantages, mask, scope)
         weights = kernel_weights(stats, mask, scope)
-        return Prepared(weights, {**covariance_metrics(stats), **weight_metrics(weights, mask)})
+        return Prepared(
+            weights, {**covariance_metrics(stats, mask), **weight_metrics(weights, mask)}
+        )
 
     def token_loss(self, batch, cfg):
         weights = _require_stat(batch, self.name).detach()
@@ -280,7 +285,7 @@ class ClipCovLoss(PolicyLoss):
         key = torch.randint(0, 2**31, (), generator=generator, device=generator.device)
         uniform = token_uniform(scope.token_order(mask.shape[-1]).to(mask.device), key)
         detached = band & (uniform < scope.per_token(prob))
-        return Prepared((~detached).to(torch.float32), covariance_metrics(stats))
+        return Prepared((~detached).to(torch.float32), covariance_metrics(stats, mask))
 
     def token_loss(self, batch, cfg):
         keep = _require_stat(batch, self.name) > 0
@@ -313,7 +318,7 @@ class KLCovLoss(PolicyLoss):
             torch.zeros_like(stats.count),
         )
         selected = top_k_tokens(stats, mask, k, scope)
-        metrics = covariance_metrics(stats)
+        metrics = covariance_metrics(stats, mask)
         metrics["kl_cov_frac"] = mean_metric(selected.to(torch.float32), mask)
         return Prepared(selected.to(torch.float32), metrics)
 

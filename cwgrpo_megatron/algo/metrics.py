@@ -7,9 +7,10 @@ whole dict) before `finalize` turns it into values:
     kind "mean"  value = sum of x over tokens, count = number of tokens   -> value / count
     kind "min"   value = min of x                                          -> value
     kind "max"   value = max of x                                          -> value
+    kind "sum"   value = a vector of sums (a histogram), count unused     -> `histograms`
 
-Derived metrics (std, effective sample size) are computed by `finalize` from mean-type parts,
-so that they too are exact over the global batch.
+Derived metrics (std, effective sample size, the top-1% covariance share) are computed by
+`finalize` from the reduced parts, so that they too are global over the batch.
 """
 
 from typing import NamedTuple
@@ -57,6 +58,8 @@ def merge(a: Metrics, b: Metrics) -> Metrics:
             out[name] = mb
         elif mb.kind == "mean":
             out[name] = Metric(ma.value + mb.value, ma.count + mb.count, "mean")
+        elif mb.kind == "sum":
+            out[name] = Metric(ma.value + mb.value, ma.count, "sum")
         elif mb.kind == "min":
             out[name] = Metric(torch.minimum(ma.value, mb.value), ma.count, "min")
         else:
@@ -67,26 +70,97 @@ def merge(a: Metrics, b: Metrics) -> Metrics:
 def finalize(metrics: Metrics) -> dict[str, Tensor]:
     """Values of the (already reduced) metrics, plus derived ones; 0-d float64 tensors.
 
-    Derived: cov_std = sqrt(E[c^2] - E[c]^2) from cov_mean / cov_sq_mean, and
-    weight_ess_frac = ESS / N = (sum w~)^2 / (N sum w~^2) = 1 / E[w~^2] (w~ has mean one).
+    Derived: cov_std = sqrt(E[c^2] - E[c]^2) from cov_mean / cov_sq_mean,
+    weight_ess_frac = ESS / N = (sum w~)^2 / (N sum w~^2) = 1 / E[w~^2] (w~ has mean one), and
+    top1pct_cov_share from the covariance histogram (`top_share`). Histograms themselves are
+    left out: `histograms` returns them.
     """
     out = {}
     for name, m in metrics.items():
+        if m.kind == "sum":
+            continue
         out[name] = m.value / m.count.clamp(min=1.0) if m.kind == "mean" else m.value
     if "cov_mean" in out and "cov_sq_mean" in out:
         out["cov_std"] = (out["cov_sq_mean"] - out["cov_mean"].square()).clamp(min=0.0).sqrt()
     if "weight_sq_mean" in out:
         out["weight_ess_frac"] = 1.0 / out["weight_sq_mean"].clamp(min=1e-30)
+    if "cov_hist_count" in metrics and "cov_hist_abs" in metrics:
+        out["top1pct_cov_share"] = top_share(
+            metrics["cov_hist_count"].value, metrics["cov_hist_abs"].value, 0.01
+        )
     return out
 
 
-def covariance_metrics(stats: CovarianceStats) -> Metrics:
+def histograms(metrics: Metrics) -> dict[str, Tensor]:
+    """The (already reduced) histogram parts of `metrics`, kind "sum", by name."""
+    return {name: m.value for name, m in metrics.items() if m.kind == "sum"}
+
+
+# Bins of the covariance histogram: |c| in [0, 1e-8), then 96 bins between log-spaced edges
+# 1e-8 ... 1e4 (a factor of 10**0.125 = 1.33 each, values beyond 1e4 in the last), for each
+# sign. Fixed edges need no min/max pass and sum exactly across ranks.
+COV_ABS_EDGES = torch.logspace(-8, 4, 97, dtype=torch.float64)
+COV_BINS = 2 * (len(COV_ABS_EDGES) - 1) + 1
+
+
+def cov_bin_edges() -> Tensor:
+    """`[COV_BINS + 1]` float64 edges of the signed histogram, ascending: -1e4 ... -1e-8,
+    1e-8 ... 1e4 (the centre bin is (-1e-8, 1e-8); the outer bins also hold |c| > 1e4)."""
+    return torch.cat([-COV_ABS_EDGES.flip(0), COV_ABS_EDGES])
+
+
+def covariance_histogram(cov: Tensor, mask: Tensor) -> Metrics:
+    """Per-bin token counts and sums of |c| of the covariance `cov [b, s]` over the counted
+    tokens (`mask [b, s]`), in the fixed bins of `cov_bin_edges`; `[COV_BINS]` float64 each."""
+    counted = (mask.flatten() > 0).to(torch.float64)  # a weight, not an index: no host sync
+    c = cov.detach().flatten().to(torch.float64)
+    magnitude = c.abs()
+    # 0 for |c| < 1e-8, else 1 + the log bin (clamped into the last one)
+    ring = torch.bucketize(magnitude, COV_ABS_EDGES.to(c.device), right=True).clamp(
+        max=len(COV_ABS_EDGES) - 1
+    )
+    centre = len(COV_ABS_EDGES) - 1
+    index = torch.where(c < 0, centre - ring, centre + ring)
+    counts = torch.zeros(COV_BINS, dtype=torch.float64, device=c.device)
+    sums = torch.zeros_like(counts)
+    counts.index_add_(0, index, counted)
+    sums.index_add_(0, index, magnitude * counted)
+    one = counts.new_ones(())
+    return {"cov_hist_count": Metric(counts, one, "sum"), "cov_hist_abs": Metric(sums, one, "sum")}
+
+
+def top_share(counts: Tensor, abs_sums: Tensor, fraction: float) -> Tensor:
+    """Share of sum |c| carried by the `fraction` of tokens of largest |c|, from the signed
+    histogram `counts, abs_sums [COV_BINS]`.
+
+    Bins are folded by |c| and taken from the top until fraction x N tokens; the bin where
+    that count falls is taken pro rata (its tokens' |c| differ by at most the bin's factor of
+    1.33, the only approximation). NaN when every c is 0 (every advantage at its pool's mean:
+    no token carries any share).
+    """
+    centre = len(COV_ABS_EDGES) - 1
+    fold_count = counts[centre:].clone()
+    fold_abs = abs_sums[centre:].clone()
+    fold_count[1:] += counts[:centre].flip(0)
+    fold_abs[1:] += abs_sums[:centre].flip(0)
+    count, mass = fold_count.flip(0), fold_abs.flip(0)  # largest |c| first
+    wanted = fraction * count.sum()
+    before = torch.cumsum(count, 0) - count  # tokens in the bins above each bin
+    taken = (wanted - before).clamp(min=0.0).minimum(count)
+    share = (taken / count.clamp(min=1.0) * mass).sum()
+    total = mass.sum()
+    return torch.where(total > 0, share / total.clamp(min=1e-300), float("nan"))
+
+
+def covariance_metrics(stats: CovarianceStats, mask: Tensor) -> Metrics:
     """Mean and (via finalize) std of the centred covariance c over all counted tokens, from
-    the local sums that the statistics pass already made (no extra pass over the tokens)."""
+    the local sums that the statistics pass already made, and its histogram (via finalize,
+    the share of sum |c| in the top 1% of tokens by |c|, the paper's "extreme tokens")."""
     count, cov_sum, cov_sq_sum = stats.local_sums.unbind()
     return {
         "cov_mean": Metric(cov_sum, count, "mean"),
         "cov_sq_mean": Metric(cov_sq_sum, count, "mean"),
+        **covariance_histogram(stats.cov, mask),
     }
 
 

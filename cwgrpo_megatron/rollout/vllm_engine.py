@@ -189,7 +189,8 @@ class VLLMEngine(EngineBase):
 
     def _start(self):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # skips a 2-17 s compile of a helper
+        if self._engine_args["enforce_eager"]:  # skips a 2-17 s compile of a helper
+            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         shm.remove_orphaned_buffers(self.shm_dir)
         if not self.in_process:
             kill_orphaned_engines()

@@ -108,6 +108,11 @@ def test_layouts_agree_with_sgd(loss):
         got = layout(name, overrides)
         assert got["layout"]["dp"] == 4 // (got["layout"]["tp"] * got["layout"]["pp"])
         assert_same(got, ref, 1e-5, f"{loss} {name}")
+        # the covariance diagnostics, logged for every loss, are global too
+        for a, b in zip(got["metrics"], ref["metrics"], strict=True):
+            for key in ("cov_std", "top1pct_cov_share"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5), (name, key, a[key], b[key])
+            assert 0.01 < b["top1pct_cov_share"] < 1
 
 
 def test_layouts_agree_with_adam():

@@ -310,5 +310,5 @@ def _verify(rank, world_size, hf_dir):
 
 def test_verify_sync_passes_after_a_sync_and_stops_every_rank_on_stale_weights(hf_dir):
     for synced, stale, resynced in run_distributed(_verify, 2, hf_dir, timeout=180):
-        assert synced < 1e-4 and resynced < 1e-4
+        assert synced.max < 1e-4 and resynced.max < 1e-4
         assert "differ from the trainer's by up to" in stale and "> tol 0.0001" in stale

@@ -33,11 +33,52 @@ def smollm2(tmp_path_factory) -> Path:
     return out
 
 
-def test_check_weight_sync_passes_smollm2_at_pp2(smollm2):
-    cmd = [*torchrun(2), "tools/check_weight_sync.py", "--hf-dir", str(smollm2), "--pp", "2"]
-    code, log = launch(cmd)
+LAYERS = "4"  # the real model's first 4 layers (PP2 and TP3 divide them): the checks in seconds
+
+
+def check_layout(smollm2, tmp_path, name: str, procs: int, *args: str) -> tuple[int, str]:
+    out = tmp_path / f"{name}.json"
+    cmd = [*torchrun(procs), "tools/check_layout.py", "--hf-dir", str(smollm2)]
+    return launch([*cmd, "--num-layers", LAYERS, "--out", str(out), *args])
+
+
+def test_check_layout_passes_tp3_and_pp2_on_smollm2_and_fails_each_planted_error(smollm2, tmp_path):
+    code, log = check_layout(smollm2, tmp_path, "ref", 1, "--calibrate")
+    assert code == 0, log
+    ref = str(tmp_path / "ref.json")
+    for name, procs, args in (("tp3", 3, ["--tp", "3"]), ("pp2", 2, ["--pp", "2"])):
+        code, log = check_layout(smollm2, tmp_path, name, procs, *args, "--against", ref)
+        assert code == 0 and "PASS:" in log, log
+    planted = (
+        ("kv", 3, ["--tp", "3", "--plant", "kv_heads_misplaced"]),
+        ("dp", 2, ["--plant", "dp_grad_unreduced"]),
+    )
+    for name, procs, args in planted:
+        code, log = check_layout(smollm2, tmp_path, name, procs, *args, "--against", ref)
+        assert code == 1 and "FAIL:" in log, log
+    # a reference of other settings is refused with what differs, before any process group
+    cmd = [sys.executable, "tools/check_layout.py", "--hf-dir", str(smollm2), "--num-layers"]
+    out = str(tmp_path / "x.json")
+    code, log = launch([*cmd, LAYERS, "--steps", "3", "--against", ref, "--out", out])
+    assert code == 2 and "steps: 2 there, 3 here" in log, log
+
+
+def check_weight_sync(smollm2, procs: int, *args: str) -> tuple[int, str]:
+    cmd = [*torchrun(procs), "tools/check_weight_sync.py", "--hf-dir", str(smollm2)]
+    return launch([*cmd, "--num-layers", LAYERS, *args])
+
+
+@pytest.mark.parametrize(("procs", "layout"), [(1, []), (2, ["--pp", "2"]), (3, ["--tp", "3"])])
+def test_check_weight_sync_passes_smollm2(smollm2, procs, layout):
+    code, log = check_weight_sync(smollm2, procs, *layout)
     assert code == 0, log
     assert "OK: max |dlogp|" in log and "via shared (in_place)" in log
+
+
+@pytest.mark.parametrize("plant", ["stale_layer", "swapped_q_shards"])
+def test_check_weight_sync_fails_a_planted_sync_error_on_smollm2(smollm2, plant):
+    code, log = check_weight_sync(smollm2, 1, "--plant", plant)
+    assert code == 1 and "FAIL: max |dlogp|" in log, log
 
 
 def test_training_smollm2_passes_the_sync_check_every_step(smollm2, tmp_path):
@@ -71,6 +112,7 @@ def test_training_smollm2_passes_the_sync_check_every_step(smollm2, tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sync/gap"] <= r["sync/tol"] for r in rows), rows
+    assert all(r["sync/gap_mean"] <= r["sync/tol_mean"] for r in rows), rows
     assert all(r["actor/grad_norm"] > 0 for r in rows), "no step moved the weights"
     assert rows[-1]["actor/kl"] > 0
 

@@ -18,6 +18,7 @@ SMOKE = {
     "bench_rollout.py": ["--quick", "--repeats", "1"],
     "bench_weight_sync.py": ["--quick", "--repeats", "1"],
     "bench_e2e.py": ["--quick", "--prompts", "2", "--group", "2", "--tokens", "8"],
+    "bench_vllm_compile.py": ["--quick"],
 }
 
 

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 def write_run(root: Path, loss: str, rewards, entropies, heldout=(0.25, 0.75)) -> Path:
     root.mkdir(parents=True)
     (root / "config.yaml").write_text(f"algo:\n  policy_loss: {loss}\n")
-    lines = [{"step": 0, "eval/heldout/avg@1": heldout[0]}]
+    lines = [{"step": 0, "eval/heldout/avg@1": heldout[0], "timing_s/eval": 4.5}]
     for step, (r, e) in enumerate(zip(rewards, entropies, strict=True), start=1):
         lines.append(
             {
@@ -26,6 +26,9 @@ def write_run(root: Path, loss: str, rewards, entropies, heldout=(0.25, 0.75)) -
                 "cw/w_min": 0.5,
                 "cw/frac_w_below_half": 0.1,
                 "actor/grad_norm": "nan" if step == 2 else 1.0,
+                "cw/top1pct_cov_share": 0.05 * step,
+                "cw/sigma": 0.0 if step == 3 else 1.0,  # step 3: no learning signal
+                "timing_s/step": 10.0,
             }
         )
     lines[-1]["eval/heldout/avg@1"] = heldout[1]
@@ -49,6 +52,10 @@ def test_run_statistics_are_exact(tmp_path):
     assert stats["entropy at reward 0.6-0.7"] == pytest.approx(1.0)  # step 6 (0.66)
     assert stats["entropy at reward 0.8-0.9"] == pytest.approx(0.8)  # step 7 (0.8)
     assert stats["entropy at reward 0.7-0.8"] is None
+    assert stats["initial held-out accuracy"] == 0.25
+    # mean of 0.05, 0.10, 0.20, ..., 0.40: step 3 (sigma = 0) has no share
+    assert stats["top-1% covariance share"] == pytest.approx((0.05 * 36 - 0.15) / 7)
+    assert stats["wall time (s)"] == 84.5  # 8 steps of 10 s and the step-0 evaluation
 
 
 def test_groups_give_mean_and_std_over_seeds(tmp_path):
