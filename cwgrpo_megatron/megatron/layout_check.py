@@ -69,21 +69,14 @@ def tiny_trainer(
     seed: int = 0,
     hf_dir: str | None = None,
     init_parallel: bool = True,
-    num_layers: int | None = None,
-    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    source: tuple[ModelArch, Callable[[str], torch.Tensor]] | None = None,
 ):
-    """(trainer, arch) at cfg's layout, weights from `hf_dir` or the tiny random Qwen2, each
-    HF tensor passed through `transform(name, tensor)` when given.
+    """(trainer, arch) at cfg's layout, weights from `hf_dir` or the tiny random Qwen2, or from
+    `source` = (arch, get) when given (`hf_source`'s result, perhaps with `get` wrapped).
 
     Sets up Megatron's groups unless `init_parallel` is False (a second trainer in the same
     groups); call `parallel.destroy()` when done."""
-    arch, get = hf_source(seed=seed, hf_dir=hf_dir, num_layers=num_layers)
-    if transform is not None:
-        read = get
-
-        def get(name):
-            return transform(name, read(name))
-
+    arch, get = source if source is not None else hf_source(seed=seed, hf_dir=hf_dir)
     if init_parallel:
         parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
     try:
@@ -218,14 +211,13 @@ def run(
         _misplace_kv_heads(arch, tp) if plant == "kv_heads_misplaced" else None,
     ) if t is not None]  # fmt: skip
 
-    def transform(name, tensor):
+    def transformed(name):
+        tensor = get(name)
         for t in transforms:
             tensor = t(name, tensor)
         return tensor
 
-    trainer, arch = tiny_trainer(
-        cfg, seed=seed, hf_dir=hf_dir, num_layers=num_layers, transform=transform
-    )
+    trainer, arch = tiny_trainer(cfg, source=(arch, transformed))
     try:
         if plant == "dp_grad_unreduced":
             trainer.model.finish_grad_sync = lambda *a, **k: None
