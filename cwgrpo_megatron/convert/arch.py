@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+# Llama 3.x RoPE scaling as Megatron-Core implements it: only the factor is a parameter
+LLAMA3_ROPE_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+RECIPES = Path(__file__).resolve().parents[2] / "configs" / "models"
+"""HF config.json facts of the models our run configs target (configs/models/NAME.json)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -32,6 +40,8 @@ class ModelArch:
     qkv_bias: bool
     tie_embeddings: bool
     torch_dtype: str
+    rope_scaling_factor: float | None = None
+    """Llama 3.x RoPE scaling (rope_type llama3) with this factor; None: plain RoPE."""
 
     @property
     def heads_per_group(self) -> int:
@@ -67,8 +77,19 @@ class ModelArch:
 
         rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only default)")
+        scaling = None
+        if rope_type == "llama3":
+            for key, value in LLAMA3_ROPE_FIXED.items():
+                if float(rope.get(key, value)) != value:
+                    raise ValueError(
+                        f"{source}: llama3 rope scaling with {key}={rope[key]} is not supported; "
+                        f"Megatron-Core fixes {key}={value}"
+                    )
+            scaling = float(need_rope(rope, "factor", source))
+        elif rope_type not in ("default", None):
+            raise ValueError(
+                f"{source}: rope type {rope_type!r} is not supported (default or llama3)"
+            )
         if data.get("use_sliding_window"):
             raise ValueError(f"{source}: sliding-window attention is not supported")
         if data.get("mlp_bias"):
@@ -100,7 +121,35 @@ class ModelArch:
             qkv_bias=qkv_bias,
             tie_embeddings=bool(data.get("tie_word_embeddings", False)),
             torch_dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
+            rope_scaling_factor=scaling,
         )
+
+    @classmethod
+    def recipe(cls, name_or_path: str) -> ModelArch:
+        """A model of configs/models by name (e.g. qwen2p5_math_7b), or an HF config.json /
+        checkpoint folder by path."""
+        path = Path(name_or_path)
+        if path.is_dir():
+            return cls.from_hf_dir(path)
+        if path.suffix == ".json" and path.is_file():
+            return cls.from_hf_dict(json.loads(path.read_text()), source=str(path))
+        known = recipe_names()
+        if name_or_path not in known:
+            raise ValueError(
+                f"unknown model {name_or_path!r}: name one of {', '.join(known)}, or give the "
+                "path of an HF config.json or checkpoint folder"
+            )
+        return cls.from_hf_dict(
+            json.loads((RECIPES / f"{name_or_path}.json").read_text()), source=name_or_path
+        )
+
+    def differences(self, other: ModelArch) -> list[str]:
+        """`field: ours vs theirs` for every architecture field that differs (dtype aside)."""
+        return [
+            f"{k}: {v!r} vs {getattr(other, k)!r}"
+            for k, v in self.to_dict().items()
+            if k != "torch_dtype" and getattr(other, k) != v
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,6 +180,16 @@ class ModelArch:
                 f"pp={pp} does not divide num_hidden_layers={self.num_layers}; the largest "
                 f"valid pp at or below {pp} is {best}"
             )
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES.glob("*.json"))
+
+
+def need_rope(rope: dict[str, Any], key: str, source: str) -> Any:
+    if key not in rope:
+        raise ValueError(f"{source}: rope scaling has no {key!r}")
+    return rope[key]
 
 
 def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = 128) -> int:

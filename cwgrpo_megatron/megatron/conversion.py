@@ -152,14 +152,24 @@ def is_megatron_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / META_NAME).is_file()
 
 
-def start_arch(path: str | os.PathLike) -> ModelArch:
-    """The architecture of a start checkpoint: an HF folder or a Megatron checkpoint."""
+def start_arch(path: str | os.PathLike, *, recipe: str | None = None) -> ModelArch:
+    """The architecture of a start checkpoint: an HF folder or a Megatron checkpoint. With
+    `recipe` (model.arch), ValueError unless it is that model's architecture."""
     if not str(path) or not Path(path).is_dir():
         raise ValueError(
             f"model.path={str(path)!r} is not a folder: point it at an HF Qwen2 / Llama "
             "checkpoint, or at a Megatron checkpoint written by tools/convert_hf_to_megatron.py"
         )
-    return checkpoint_arch(path) if is_megatron_checkpoint(path) else ModelArch.from_hf_dir(path)
+    arch = checkpoint_arch(path) if is_megatron_checkpoint(path) else ModelArch.from_hf_dir(path)
+    if recipe is not None:
+        differences = ModelArch.recipe(recipe).differences(arch)
+        if differences:
+            raise ValueError(
+                f"model.path={str(path)!r} is not the model.arch={recipe!r} this config was "
+                f"written for (recipe vs checkpoint): {'; '.join(differences)}. Point model.path "
+                "at that model, or set model.arch to the checkpoint's model (or null)"
+            )
+    return arch
 
 
 def load_start_weights(model, arch: ModelArch, path: str | os.PathLike) -> None:

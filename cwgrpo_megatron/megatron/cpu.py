@@ -16,6 +16,8 @@ shares the process (the vLLM engine, tests) keeps plain torch:
   generator's state.
 - `torch.cuda.synchronize()` (p2p communication, async checkpoint writer) does nothing.
 - `torch.cuda.current_stream()` (0.19) returns a stub whose methods do nothing.
+- Activation recompute reruns layers inside autograd's backward, where torch function modes
+  are not active: `CheckpointFunction.backward` re-enters the device rewrite.
 
 Known limits (rejected by `check_cpu_config` with the fix in the message): sequence parallel
 needs fused norms that torch's CPU norms lack; `apply_rope_fusion` and
@@ -25,6 +27,7 @@ needs fused norms that torch's CPU norms lack; `apply_rope_fusion` and
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -95,6 +98,12 @@ def _patches() -> list[tuple[Any, str, Any]]:
     def get_state(*args, **kwargs):
         return torch.get_rng_state()
 
+    recompute = mp_random.CheckpointFunction.backward
+
+    def recompute_on_cpu(ctx, *grads):
+        with _CudaToCpu():
+            return recompute(ctx, *grads)
+
     return [
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", lambda *a, **k: None),
@@ -104,6 +113,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
         (mp_random, "_get_cuda_rng_state", get_state),
         (mp_random, "_set_cuda_rng_state", set_state),
+        (mp_random.CheckpointFunction, "backward", staticmethod(recompute_on_cpu)),
     ]
 
 
@@ -123,7 +133,8 @@ def on_cpu() -> Iterator[None]:
             _state.depth -= 1
         return
     patches = _patches()
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    # getattr_static keeps a class's staticmethod wrapper, so restoring leaves it as it was
+    saved = [(obj, name, inspect.getattr_static(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
     _state.depth = 1

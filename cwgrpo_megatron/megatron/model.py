@@ -1,10 +1,10 @@
 """A Megatron-Core GPTModel for a Qwen2 / Llama architecture, and HF weights loaded into it.
 
 Settings mapped from the HF config (`ModelArch`): RMSNorm and its eps, SwiGLU, QKV bias,
-grouped-query attention (`num_key_value_heads` -> `num_query_groups`), head dim, RoPE theta,
-max positions, tied or untied embeddings, fp32 / bf16 parameters. The vocabulary is padded to a
-multiple of `make_vocab_size_divisible_by x tp`; padded logits are masked out downstream by
-`vocab_parallel_logprob_entropy(..., vocab_size=arch.vocab_size)`.
+grouped-query attention (`num_key_value_heads` -> `num_query_groups`), head dim, RoPE theta and
+Llama 3.x RoPE scaling, max positions, tied or untied embeddings, fp32 / bf16 parameters. The
+vocabulary is padded to a multiple of `make_vocab_size_divisible_by x tp`; padded logits are
+masked out downstream by `vocab_parallel_logprob_entropy(..., vocab_size=arch.vocab_size)`.
 
 Layer spec: Transformer Engine's when TE and a GPU are present, Megatron's local one otherwise.
 """
@@ -106,6 +106,8 @@ def build_model(
             position_embedding_type="rope",
             rotary_base=int(arch.rope_theta),
             rotary_percent=1.0,
+            rope_scaling=arch.rope_scaling_factor is not None,
+            rope_scaling_factor=arch.rope_scaling_factor or 8.0,
             parallel_output=True,
         )
     model.vocab_size_unpadded = arch.vocab_size

@@ -98,7 +98,9 @@ class StepResult:
 def build_actor(cfg: Config, arch: ModelArch, load_weights) -> Actor:
     """Model (loaded by `load_weights(model)`), DDP, optimizer and LR schedule on this rank."""
     dtype = DTYPES[cfg.train.params_dtype]
-    model = build_model(arch, params_dtype=dtype, calculate_per_token_loss=True)
+    model = build_model(
+        arch, params_dtype=dtype, calculate_per_token_loss=True, **cfg.train.recompute_overrides()
+    )
     load_weights(model)
     ref_model = None
     if cfg.algo.kl_beta > 0:

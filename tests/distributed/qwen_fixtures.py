@@ -27,6 +27,25 @@ CONFIGS = {
         LlamaForCausalLM,
         dict(vocab_size=1000, tie_word_embeddings=False, attention_bias=False),
     ),
+    # Llama 3.1's RoPE scaling: with head_dim 16 the slowest frequencies have wavelengths past
+    # 8192 / low_freq_factor, so the scaling changes them
+    "llama3-rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            vocab_size=1000,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
 }
 
 

@@ -25,7 +25,7 @@ def _worker(rank, world, name, tp, pp):
         model = build_model(arch)
         load_hf_weights(model, arch, lambda n: state[n])
         model.eval()
-        ids = tokens()
+        ids = tokens(seq=48 if name == "llama3-rope" else 12)  # long enough for the scaling
         logits = forward_logits(model, ids, micro_batch_size=2)
         if logits is None:
             return None
@@ -43,7 +43,14 @@ def _worker(rank, world, name, tp, pp):
         ref_logp_all = torch.log_softmax(ref, dim=-1)
         ref_logp = ref_logp_all.gather(-1, target[..., None]).squeeze(-1)
         ref_entropy = -(ref_logp_all.exp() * ref_logp_all).sum(-1)
+        unscaled_err = None
+        if hf.config.rope_scaling:  # the same weights with plain RoPE: the scaling must show
+            twin = _unscaled_twin(hf)
+            with torch.no_grad():
+                plain = twin(ids).logits.double()
+            unscaled_err = (logits[..., : hi - lo].double() - plain[..., lo:hi]).abs().max().item()
         return {
+            "unscaled_logits": unscaled_err,
             "logits": logit_err,
             "logp": (logp.double() - ref_logp).abs().max().item(),
             "entropy": (entropy.double() - ref_entropy).abs().max().item(),
@@ -53,9 +60,20 @@ def _worker(rank, world, name, tp, pp):
         dist.barrier()
 
 
+def _unscaled_twin(hf):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = {k: v for k, v in hf.config.to_dict().items() if k != "rope_scaling"}
+    theta = settings["rope_parameters"]["rope_theta"]
+    settings["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    twin = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    twin.load_state_dict(hf.state_dict())
+    return twin
+
+
 # Every layout for the untied Qwen2 (vocab 1000 is padded to 1024, so the second TP shard holds
 # padding); the tied model where the last stage must copy the embedding (pp > 1) and not (pp 1);
-# the Llama block (no QKV bias) with tensor parallelism.
+# the Llama block (no QKV bias) with tensor parallelism; Llama 3.1's RoPE scaling.
 CASES = [
     pytest.param("qwen-untied", 1, 1, id="qwen-untied-tp1"),
     pytest.param("qwen-untied", 2, 1, id="qwen-untied-tp2"),
@@ -64,6 +82,7 @@ CASES = [
     pytest.param("qwen-tied", 1, 1, id="qwen-tied-tp1"),
     pytest.param("qwen-tied", 2, 2, id="qwen-tied-tp2xpp2"),
     pytest.param("llama", 2, 1, id="llama-tp2"),
+    pytest.param("llama3-rope", 1, 1, id="llama3-rope-tp1"),
 ]
 
 
@@ -75,3 +94,5 @@ def test_megatron_matches_hf(name, tp, pp):
         assert r["logits"] < 1e-5, r
         assert r["logp"] < 1e-5, r
         assert r["entropy"] < 1e-5, r
+        if r["unscaled_logits"] is not None:
+            assert r["unscaled_logits"] > 20 * max(r["logits"], 1e-7), r

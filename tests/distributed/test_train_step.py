@@ -274,3 +274,13 @@ def test_clip_cov_picks_the_same_tokens_at_every_layout():
     assert_same(got, ref, 1e-5, f"{loss} tp2-dp2")
     for a, b in zip(got["metrics"], ref["metrics"], strict=True):
         assert a[picked] == pytest.approx(b[picked], rel=1e-12)
+
+
+def test_recompute_gives_the_same_step():
+    """Activation recompute reruns the forward in backward: the same losses, gradients and
+    parameters, at a layout with every kind of parallelism."""
+    ref = layout("tp2-pp2-mb4")
+    for granularity in ("full", "selective"):
+        got = layout("tp2-pp2-mb4", [f"train.recompute_granularity={granularity}"])
+        assert got["loss"] == ref["loss"], granularity
+        assert_same(got, ref, 1e-6, f"recompute {granularity}")

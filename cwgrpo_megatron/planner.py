@@ -1,0 +1,705 @@
+"""GPU memory per rank for a run config at a layout: pure arithmetic, no megatron import.
+
+Everything is bytes on the most-loaded GPU. Notation: tp / pp / dp the layout, h hidden, f the
+FFN width, a = heads/tp, q = a * head_dim, k = kv_heads * head_dim / tp, V the padded
+vocabulary, L the layers of a stage, b x s the rows x length of one micro-batch, n = b * s its
+tokens, e the bytes of an activation element (params_dtype).
+
+**Trainer state** (`trainer_state`), exactly what Megatron-Core allocates (tested to the byte
+at TP1, TP2, PP2 and TP2 x DP2): the stage's parameters in params_dtype; DDP's fp32 gradient
+buffer; the optimizer's fp32 master copy (bf16 params only) and Adam's two fp32 moments plus a
+4-byte step counter per tensor. With the distributed optimizer DDP also holds the parameters in
+one buffer; the buffer pads every parameter's start to 64 elements and every bucket to a
+multiple of lcm(dp, 128), and each DP rank keeps the optimizer state of its 1/dp of each bucket.
+For bf16 + Adam this is Megatron-LM's 18 bytes/param, or 6 + 12/dp with the distributed
+optimizer.
+
+**Activations** (`activation_bytes`): the bytes saved for backward by one micro-batch, per
+layer and for the embedding / head, from the tensors each op keeps. "unfused" is Megatron's
+local layer spec (the CPU path: scores and probabilities of [b, a, s, s] are kept; GQA's keys and
+values are expanded to every head): it equals the sum of `saved_tensors_hooks` to the byte at
+recompute none and full. "flash" is the Transformer Engine spec on GPU (fused attention keeps
+q, k, v, the output and the log-sum-exp, no s^2 term); it is derived, not measured here.
+Recompute: selective keeps the inputs of core attention instead of its internals; full keeps
+each chunk's input hidden state [s, b, h] and rebuilds one chunk at a time in backward. 1F1B
+keeps min(pp - stage, micro-batches) micro-batches in flight on a stage.
+
+**vLLM** (`vllm_bytes`), when colocated: vLLM reserves gpu_memory_utilization x capacity at
+start; its weights (HF count, engine dtype, / rollout TP) must fit in it, and what is left is KV
+cache (2 L kv_heads head_dim bytes per token, / rollout TP). A KV cache smaller than the engine's
+sequences at max_model_len does not fail: vLLM runs fewer at once (`VllmShare.concurrency`).
+Sleep mode (level 1) gives back all but SLEEP_RESIDUAL during old-logp and train. Today's trainer
+runs one engine at TP1 on global rank 0 (`Setting.rollout_tp` None); rollout_tp = N plans one
+engine per N GPUs.
+
+**Phases**: rollout = state + reference + vLLM's reservation; old_logp = state + reference +
+vLLM residual + one forward's working set; train = state + reference + vLLM residual +
+activations in flight + the backward working set. Each adds RESERVE (CUDA context, NCCL,
+allocator fragmentation). The run fits when the largest phase is within capacity and vLLM's
+weights fit its reservation. The phases are those of the most-loaded GPU (with one engine,
+rank 0's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
+
+GiB = 1 << 30
+RECOMPUTE = ("none", "selective", "full")
+SPECS = ("te", "local")
+OPTIMIZERS = ("adam", "sgd")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+RESERVE = 2 * GiB
+"""Per GPU: CUDA context, NCCL buffers and allocator fragmentation (an estimate)."""
+SLEEP_RESIDUAL = 1 * GiB
+"""What a sleeping vLLM keeps per GPU (its CUDA graphs and context; an estimate)."""
+VLLM_WORKSPACE = 1 * GiB
+"""vLLM's activation workspace inside its reservation (it profiles one max-size batch)."""
+LOSS_BYTES_PER_TOKEN = 36
+"""What the policy loss keeps for backward per token (its [b, s] ratios, masks and KL terms):
+measured for cw_grpo with the KL term; the other losses keep about as much."""
+LOGPROB_CHUNK_ELEMENTS = 1 << 22
+"""dist.vocab_parallel's chunk: two fp32 [chunk, V/tp] temporaries of this many elements."""
+
+
+# ---- parameters and Megatron's buffers -------------------------------------------------------
+
+
+def stage_tensors(arch: ModelArch, *, tp: int, pp: int, stage: int) -> list[tuple[str, int]]:
+    """(name, elements) of stage `stage`'s parameters on one TP rank, in Megatron's
+    named_parameters order (local spec; TE's fused norms hold the same elements)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * hd // tp
+    vocab = padded_vocab_size(arch.vocab_size, tp=tp) // tp
+    out = []
+    if stage == 0:
+        out.append(("embedding.word_embeddings.weight", vocab * h))
+    layer = [
+        ("input_layernorm.weight", h),
+        ("self_attention.linear_proj.weight", h * arch.num_heads * hd // tp),
+        ("self_attention.linear_qkv.weight", qkv * h),
+        *([("self_attention.linear_qkv.bias", qkv)] if arch.qkv_bias else []),
+        ("pre_mlp_layernorm.weight", h),
+        ("mlp.linear_fc1.weight", 2 * arch.ffn_hidden_size // tp * h),
+        ("mlp.linear_fc2.weight", h * arch.ffn_hidden_size // tp),
+    ]
+    for i in range(arch.num_layers // pp):
+        out += [(f"decoder.layers.{i}.{name}", numel) for name, numel in layer]
+    if stage == pp - 1:
+        out.append(("decoder.final_layernorm.weight", h))
+        if not (arch.tie_embeddings and pp == 1):
+            out.append(("output_layer.weight", vocab * h))
+    return out
+
+
+def _shared_embedding(name: str, arch: ModelArch, pp: int) -> bool:
+    """Megatron marks the tied embedding and its last-stage copy when they live apart."""
+    tied_apart = arch.tie_embeddings and pp > 1
+    return tied_apart and name in ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclass(frozen=True)
+class GradBuffer:
+    """DDP's flat buffer: total elements (padding included), buckets [start, end) and each
+    parameter's [start, end)."""
+
+    numel: int
+    buckets: list[tuple[int, int]]
+    params: list[tuple[int, int]]
+
+
+def grad_buffer(
+    tensors: list[tuple[str, int]], *, arch: ModelArch, pp: int, dp: int, distributed: bool
+) -> GradBuffer:
+    """Megatron-Core's `_ParamAndGradBuffer` layout with overlap_grad_reduce off (no size-based
+    buckets): parameters in reverse order; with the distributed optimizer each parameter starts
+    at a multiple of 64, a shared embedding gets a bucket of its own, and each bucket ends at a
+    multiple of lcm(dp, 128)."""
+
+    def pad(x: int, divisor: int) -> int:
+        return -(-x // divisor) * divisor
+
+    end_pad = math.lcm(dp, 128) if distributed else 1
+    start_pad = 64 if distributed else 1
+    buckets, params = [], []
+    bucket_start = index = 0
+    open_bucket = False
+    for name, numel in reversed(tensors):
+        index = pad(index, start_pad)
+        shared = distributed and _shared_embedding(name, arch, pp)
+        if shared and open_bucket:
+            buckets.append((bucket_start, pad(index, end_pad)))
+            bucket_start = index = buckets[-1][1]
+        params.append((index, index + numel))
+        index += numel
+        open_bucket = True
+        if shared:
+            buckets.append((bucket_start, pad(index, end_pad)))
+            bucket_start = index = buckets[-1][1]
+            open_bucket = False
+    if open_bucket:
+        buckets.append((bucket_start, pad(index, end_pad)))
+    return GradBuffer(numel=buckets[-1][1] if buckets else 0, buckets=buckets, params=params)
+
+
+def _shard_pieces(buffer: GradBuffer, dp: int, rank: int) -> list[int]:
+    """Elements of each parameter inside DP rank `rank`'s 1/dp of every bucket (non-empty)."""
+    pieces = []
+    for start, end in buffer.buckets:
+        size = (end - start) // dp
+        lo, hi = start + rank * size, start + (rank + 1) * size
+        for p_start, p_end in buffer.params:
+            overlap = min(hi, p_end) - max(lo, p_start)
+            if overlap > 0:
+                pieces.append(overlap)
+    return pieces
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def trainer_state(
+    arch: ModelArch,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    stage: int,
+    params_dtype: str,
+    optimizer: str = "adam",
+    distributed: bool = False,
+    dp_rank: int | None = None,
+    local_spec: bool = False,
+) -> TrainerState:
+    """Bytes of parameters, gradient buffer and optimizer state on one rank of `stage`; with
+    the distributed optimizer, on DP rank `dp_rank` (None: the most-loaded one). `local_spec`:
+    Megatron's local layer spec (CPU), whose RMSNorm weights stay fp32 in a bf16 model."""
+    tensors = stage_tensors(arch, tp=tp, pp=pp, stage=stage)
+    # DDP keeps one buffer per parameter dtype; the local spec's norms stay fp32 in a bf16 model
+    by_dtype: dict[str, list[tuple[str, int]]] = {}
+    for name, numel in tensors:
+        dtype = "float32" if local_spec and name.endswith("layernorm.weight") else params_dtype
+        by_dtype.setdefault(dtype, []).append((name, numel))
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
+    moments = 8 if optimizer == "adam" else 0
+    step_counter = 4 if optimizer == "adam" else 0
+    params = grads = 0
+    ranks = range(dp) if (distributed and dp_rank is None) else [dp_rank or 0]
+    opt = [0] * len(ranks)
+    for dtype, group in by_dtype.items():
+        buffer = grad_buffer(group, arch=arch, pp=pp, dp=dp, distributed=distributed)
+        grads += buffer.numel * 4
+        used = buffer.numel if distributed else sum(n for _, n in group)
+        params += used * DTYPE_BYTES[dtype]
+        master = 4 if dtype != "float32" else 0
+        for i, r in enumerate(ranks):
+            pieces = _shard_pieces(buffer, dp, r) if distributed else [n for _, n in group]
+            opt[i] += sum(pieces) * (master + moments) + len(pieces) * step_counter
+    return TrainerState(params=params, grads=grads, optimizer=max(opt))
+
+
+def params_total(arch: ModelArch) -> int:
+    """Parameters of the HF model (no vocabulary padding; a tied output counts once)."""
+    tensors = stage_tensors(arch, tp=1, pp=1, stage=0)
+    pad_rows = padded_vocab_size(arch.vocab_size, tp=1) - arch.vocab_size
+    vocab_tensors = 1 if arch.tie_embeddings else 2
+    return sum(n for _, n in tensors) - vocab_tensors * pad_rows * arch.hidden_size
+
+
+# ---- activations -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes of one micro-batch on one stage."""
+
+    saved: int
+    """Kept for backward after its forward (what `saved_tensors_hooks` sees)."""
+    working: int
+    """Transient on top of the saved bytes during backward: the head's logits gradient and
+    chunk buffers, one layer's gradients and, with full recompute, one rebuilt chunk."""
+    forward_working: int
+    """Transient during a forward-only pass (old-logp, reference): one layer and the head."""
+
+
+def layer_saved_bytes(
+    arch: ModelArch, *, tp: int, b: int, s: int, dtype: str, recompute: str, spec: str
+) -> int:
+    """Bytes one decoder layer keeps for backward (recompute none or selective)."""
+    e, n = DTYPE_BYTES[dtype], b * s
+    h, hd = arch.hidden_size, arch.head_dim
+    a = arch.num_heads // tp
+    q, kv = a * hd, max(1, arch.num_kv_heads // tp) * hd
+    if spec == "te":
+        # TE: LayerNormLinear keeps x, its normalised copy and fp32 rstd, for both norms
+        norms = 2 * (2 * n * h * e + 4 * n)
+        attn = (2 * q + 2 * kv) * n * e + 4 * a * n  # q, out, k, v; fp32 log-sum-exp
+        attn += q * n * e  # linear_proj's input
+        mlp = 3 * n * arch.ffn_hidden_size // tp * e  # fc1 out (2f), swiglu out (f)
+        return norms + attn + mlp
+    # local spec: RMSNorm keeps x and x*rstd in fp32, rstd, and its output for the linear
+    norms = 2 * (2 * n * h * 4 + n * h * e + 4 * n)
+    rope = 4 * s * hd * e  # cos and sin for q and for k
+    if recompute == "selective":
+        # core attention rebuilt: kept are q, k after RoPE and v, a view of the qkv output
+        attn = (q + kv) * n * e + (q + 2 * kv) * n * e + 4
+    else:
+        probs = b * a * s * s * (4 + (e if e != 4 else 0))  # fp32 softmax, its cast
+        attn = 3 * q * n * e + probs + s * s  # q, GQA-expanded k and v; causal mask
+    context = q * n * e
+    mlp = 5 * n * arch.ffn_hidden_size // tp * e  # fc1 out (2f), silu in/out, gate product
+    return norms + rope + attn + context + mlp
+
+
+def activation_bytes(
+    arch: ModelArch,
+    *,
+    tp: int,
+    pp: int,
+    stage: int,
+    b: int,
+    s: int,
+    dtype: str,
+    recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    spec: str = "te",
+    loss: bool = True,
+) -> Activations:
+    """One micro-batch `[b, s]` on `stage`; full recompute in chunks of `recompute_num_layers`
+    (uniform) or of the first `recompute_num_layers` layers (block)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
+    if spec not in SPECS:
+        raise ValueError(f"spec={spec!r}; choose one of: {', '.join(SPECS)}")
+    e, n = DTYPE_BYTES[dtype], b * s
+    h, layers = arch.hidden_size, arch.num_layers // pp
+    vocab = padded_vocab_size(arch.vocab_size, tp=tp) // tp
+    one_layer = layer_saved_bytes(arch, tp=tp, b=b, s=s, dtype=dtype, recompute="none", spec=spec)
+    if recompute == "full" and recompute_method == "uniform":
+        chunks = -(-layers // recompute_num_layers)
+        saved = chunks * n * h * e + s * arch.head_dim * 4  # chunk inputs, fp32 rotary freqs
+    elif recompute == "full":  # block: the first recompute_num_layers layers keep their input
+        kept = min(recompute_num_layers, layers)
+        saved = kept * n * h * e + (layers - kept) * one_layer + s * arch.head_dim * 4
+    else:
+        saved = layers * layer_saved_bytes(
+            arch, tp=tp, b=b, s=s, dtype=dtype, recompute=recompute, spec=spec
+        )
+    head_working = forward_head = 0
+    if stage == 0:
+        saved += 8 * n  # token ids
+    if stage == pp - 1:
+        saved += 2 * n * h * 4 + n * h * e + 4 * n  # final norm, as in a layer
+        saved += n * vocab * e  # logits [b, s, V/tp], kept by the log-prob function
+        saved += n * (8 + 1 + 4 + 4)  # target ids, in-shard mask, log-normaliser, entropy
+        if loss:
+            saved += LOSS_BYTES_PER_TOKEN * n
+        chunk = 2 * min(LOGPROB_CHUNK_ELEMENTS, n * vocab) * 4
+        forward_head = n * vocab * e + chunk  # the [s, b, V/tp] output before its transpose
+        head_working = n * vocab * e + chunk  # the logits gradient
+    rebuilt = 0
+    if recompute == "full":
+        rebuilt = one_layer * (recompute_num_layers if recompute_method == "uniform" else 1)
+    working = max(head_working, one_layer + rebuilt)
+    forward_working = max(forward_head + n * vocab * e, one_layer)
+    return Activations(saved=saved, working=working, forward_working=forward_working)
+
+
+# ---- vLLM ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmShare:
+    reserved: int
+    """gpu_memory_utilization x capacity, held from engine start (0 when not colocated)."""
+    weights: int
+    kv_needed: int
+    """The KV cache for this engine's rollout sequences at max_model_len."""
+    kv_available: int
+    sleeping: int
+    """What stays allocated while it sleeps."""
+
+    @property
+    def concurrency(self) -> float:
+        """Share of the engine's sequences that fit in its KV cache at once (<= 1)."""
+        return 1.0 if self.kv_needed <= 0 else min(1.0, self.kv_available / self.kv_needed)
+
+
+def vllm_bytes(
+    arch: ModelArch,
+    *,
+    capacity: int,
+    utilization: float,
+    rollout_tp: int,
+    sequences: int,
+    max_model_len: int,
+    dtype: str,
+    sleep: bool,
+) -> VllmShare:
+    """vLLM's share of one GPU: `sequences` are those of this GPU's engine (rollout batch x
+    rollout_tp / world)."""
+    e = DTYPE_BYTES[dtype]
+    reserved = int(utilization * capacity)
+    weights = params_total(arch) * e // rollout_tp
+    kv_heads = max(1, arch.num_kv_heads // rollout_tp)  # vLLM replicates heads past tp = kv
+    per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * e
+    kv_needed = sequences * max_model_len * per_token
+    kv_available = max(0, reserved - weights - VLLM_WORKSPACE)
+    return VllmShare(
+        reserved=reserved,
+        weights=weights,
+        kv_needed=kv_needed,
+        kv_available=kv_available,
+        sleeping=SLEEP_RESIDUAL if sleep else reserved,
+    )
+
+
+# ---- the plan --------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class Cluster:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_gib: float = 80.0
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def capacity(self) -> int:
+        return int(self.gpu_gib * GiB)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Setting:
+    """What the plan reads from a run config, plus what the config does not hold yet."""
+
+    tp: int
+    pp: int
+    params_dtype: str = "bfloat16"
+    optimizer: str = "adam"
+    distributed_optimizer: bool = True
+    kl_beta: float = 0.0
+    micro_batch_size: int = 1
+    seq_len: int = 4096
+    """Tokens of a padded row: max prompt + max completion tokens."""
+    sequences_per_step: int = 144
+    mini_batches: int = 1
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    spec: str = "te"
+    rollout_tp: int | None = None
+    """None: today's trainer, one vLLM engine (tensor-parallel size 1) on global rank 0 that
+    generates the whole rollout batch. N: one engine per N GPUs, each generating its share
+    (the per-node replicas of rollout.tp, still to be built)."""
+    max_model_len: int = 4096
+    utilization: float = 0.5
+    sleep: bool = True
+    engine_dtype: str = "bfloat16"
+    colocated: bool = True
+
+    @property
+    def engine_tp(self) -> int:
+        return self.rollout_tp or 1
+
+    @classmethod
+    def from_config(cls, cfg, **changes) -> Setting:
+        t, r = cfg.train, cfg.rollout
+        values = dict(
+            tp=cfg.parallel.tp,
+            pp=cfg.parallel.pp,
+            params_dtype=t.params_dtype,
+            optimizer=cfg.optim.optimizer,
+            distributed_optimizer=cfg.optim.use_distributed_optimizer,
+            kl_beta=cfg.algo.kl_beta,
+            micro_batch_size=t.micro_batch_size,
+            seq_len=cfg.data.max_prompt_tokens + r.max_tokens,
+            sequences_per_step=t.sequences_per_step,
+            mini_batches=t.ppo_mini_batches,
+            recompute=t.recompute_granularity,
+            recompute_method=t.recompute_method,
+            recompute_num_layers=t.recompute_num_layers,
+            max_model_len=r.max_model_len,
+            utilization=r.gpu_memory_utilization,
+            sleep=r.enable_sleep_mode,
+            engine_dtype=cfg.engine_dtype,
+        )
+        values.update(changes)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Plan:
+    setting: Setting
+    cluster: Cluster
+    dp: int
+    micro_batches: int
+    """Micro-batches per DP rank and mini-batch."""
+    stage: int
+    """The stage of the highest phase peak; the byte breakdown is this stage's."""
+    state: TrainerState
+    ref_model: int
+    activations: int
+    """Saved bytes of the micro-batches in flight on that stage, plus the backward working set."""
+    forward_working: int
+    vllm: VllmShare
+    phases: dict[str, int] = field(default_factory=dict)
+    """Peak bytes of each phase on its most-loaded stage."""
+    phase_stage: dict[str, int] = field(default_factory=dict)
+    """That stage, per phase."""
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def vllm_fits(self) -> bool:
+        """vLLM's weights and workspace fit in its reservation (else it cannot start)."""
+        v = self.vllm
+        return v.reserved == 0 or v.weights + VLLM_WORKSPACE <= v.reserved
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.cluster.capacity and self.vllm_fits
+
+    def to_json(self, arch: ModelArch) -> dict:
+        return {
+            "params_total": params_total(arch),
+            "layout": {"tp": self.setting.tp, "pp": self.setting.pp, "dp": self.dp},
+            "micro_batch_tokens": self.setting.micro_batch_size * self.setting.seq_len,
+            "recompute": self.setting.recompute,
+            "stage": self.stage,
+            "per_gpu": {
+                "params": self.state.params,
+                "grads": self.state.grads,
+                "optimizer": self.state.optimizer,
+                "ref_model": self.ref_model,
+                "activations": self.activations,
+                "vllm": self.vllm.reserved,
+                "peak": self.peak,
+                "capacity": self.cluster.capacity,
+                "fits": self.fits,
+            },
+            "vllm_fits": self.vllm_fits,
+            "phases": dict(self.phases),
+            "phase_stage": dict(self.phase_stage),
+            "vllm": dataclasses.asdict(self.vllm) | {"concurrency": self.vllm.concurrency},
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
+    """The data-parallel size; ValueError naming valid values when the layout cannot work."""
+    tp, pp = setting.tp, setting.pp
+    shared = math.gcd(math.gcd(arch.num_heads, arch.num_kv_heads), arch.ffn_hidden_size)
+    if tp < 1 or shared % tp:
+        raise ValueError(
+            f"tp={tp} does not divide num_attention_heads={arch.num_heads}, "
+            f"num_key_value_heads={arch.num_kv_heads} and intermediate_size="
+            f"{arch.ffn_hidden_size}; valid tp: " + ", ".join(map(str, _divisors(shared)))
+        )
+    if pp < 1 or arch.num_layers % pp:
+        raise ValueError(
+            f"pp={pp} does not divide num_hidden_layers={arch.num_layers}; valid pp: "
+            + ", ".join(map(str, _divisors(arch.num_layers)))
+        )
+    if cluster.world % (tp * pp):
+        raise ValueError(
+            f"tp x pp = {tp * pp} does not divide the {cluster.world} GPUs "
+            f"({cluster.nodes} x {cluster.gpus_per_node}); valid tp x pp: "
+            + ", ".join(map(str, _divisors(cluster.world)))
+        )
+    if tp > cluster.gpus_per_node:
+        raise ValueError(
+            f"tp={tp} spans nodes of {cluster.gpus_per_node} GPUs; keep tensor parallelism "
+            f"inside a node (tp <= {cluster.gpus_per_node})"
+        )
+    dp = cluster.world // (tp * pp)
+    prompts_rows = setting.sequences_per_step // setting.mini_batches
+    if prompts_rows % (dp * setting.micro_batch_size):
+        raise ValueError(
+            f"{prompts_rows} sequences per mini-batch do not split over dp={dp} ranks into "
+            f"micro-batches of {setting.micro_batch_size}"
+        )
+    if arch.num_kv_heads % setting.engine_tp and setting.engine_tp % arch.num_kv_heads:
+        raise ValueError(
+            f"rollout tp={setting.engine_tp} and num_key_value_heads={arch.num_kv_heads}: "
+            "one must divide the other"
+        )
+    return dp
+
+
+def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
+    """Bytes per GPU by phase for `setting` on `cluster`, at the most-loaded stage."""
+    dp = check_layout(arch, setting, cluster)
+    tp, pp = setting.tp, setting.pp
+    rows = setting.sequences_per_step // setting.mini_batches // dp
+    micro = rows // setting.micro_batch_size
+    vllm = vllm_bytes(
+        arch,
+        capacity=cluster.capacity,
+        utilization=setting.utilization if setting.colocated else 0.0,
+        rollout_tp=setting.engine_tp,
+        sequences=(
+            setting.sequences_per_step
+            if setting.rollout_tp is None
+            else setting.sequences_per_step * setting.rollout_tp // cluster.world
+        ),
+        max_model_len=setting.max_model_len,
+        dtype=setting.engine_dtype,
+        sleep=setting.sleep,
+    )
+    candidates = []
+    for stage in range(pp):
+        state = trainer_state(
+            arch,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            stage=stage,
+            params_dtype=setting.params_dtype,
+            optimizer=setting.optimizer,
+            distributed=setting.distributed_optimizer,
+            local_spec=setting.spec == "local",
+        )
+        ref = 0
+        if setting.kl_beta > 0:  # a frozen copy: parameters only, no DDP buffer
+            ref = trainer_state(
+                arch,
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                stage=stage,
+                params_dtype=setting.params_dtype,
+                local_spec=setting.spec == "local",
+            ).params
+        act = activation_bytes(
+            arch,
+            tp=tp,
+            pp=pp,
+            stage=stage,
+            b=setting.micro_batch_size,
+            s=setting.seq_len,
+            dtype=setting.params_dtype,
+            recompute=setting.recompute,
+            recompute_method=setting.recompute_method,
+            recompute_num_layers=setting.recompute_num_layers,
+            spec=setting.spec,
+        )
+        in_flight = min(pp - stage, micro)
+        train_act = in_flight * act.saved + act.working
+        resident = state.total + ref + RESERVE
+        phases = {
+            "rollout": resident + vllm.reserved,
+            "old_logp": resident + vllm.sleeping + act.forward_working,
+            "train": resident + vllm.sleeping + train_act,
+        }
+        candidate = Plan(
+            setting,
+            cluster,
+            dp,
+            micro,
+            stage,
+            state,
+            ref,
+            train_act,
+            act.forward_working,
+            vllm,
+            phases,
+        )
+        candidates.append(candidate)
+    best = max(candidates, key=lambda c: c.peak)
+    # each phase's peak is that of its own most-loaded stage (train: the first, by 1F1B's
+    # in-flight micro-batches; rollout: the last, by the output layer)
+    worst = {name: max(candidates, key=lambda c: c.phases[name]) for name in best.phases}
+    return dataclasses.replace(
+        best,
+        phases={name: c.phases[name] for name, c in worst.items()},
+        phase_stage={name: c.stage for name, c in worst.items()},
+    )
+
+
+# ---- search ----------------------------------------------------------------------------------
+
+PEAK_FLOPS = 989e12
+"""bf16 dense peak of an H100 / H200 SXM; the ordering uses it with MFU."""
+MFU = 0.4
+NVLINK_BYTES_S = 150e9
+NETWORK_BYTES_S = 25e9
+
+
+def step_seconds(arch: ModelArch, p: Plan) -> float:
+    """An ordering rule, not a prediction. Per GPU: 2 N flops per token per pass, with
+    forward + backward = 3 passes, one more for old log-probs, one for the reference
+    (kl_beta > 0), one for full recompute and 0.1 for selective, at MFU x peak scaled by the
+    micro-batch's GEMM efficiency n / (n + 1024); times the 1F1B bubble 1 + (pp - 1) / m; plus
+    TP all-reduces (4 per layer of [n, h] bf16, ring, NVLink) and the DP gradient all-reduce
+    (fp32, over the network when DP spans nodes)."""
+    s = p.setting
+    tokens = s.sequences_per_step * s.seq_len
+    passes = 3 + 1 + (1 if s.kl_beta > 0 else 0)
+    passes += {"none": 0.0, "selective": 0.1, "full": 1.0}[s.recompute]
+    n = s.micro_batch_size * s.seq_len
+    efficiency = n / (n + 1024)
+    flops = 2 * params_total(arch) * tokens * passes / p.cluster.world
+    compute = flops / (PEAK_FLOPS * MFU * efficiency)
+    compute *= 1 + (s.pp - 1) / p.micro_batches
+    tp_bytes = 4 * arch.num_layers * tokens / p.dp * arch.hidden_size * 2 * 2 * (s.tp - 1) / s.tp
+    tp_comm = tp_bytes / NVLINK_BYTES_S / s.pp
+    dp_bytes = 2 * (p.dp - 1) / p.dp * p.state.grads
+    cross_node = p.dp * s.tp * s.pp > p.cluster.gpus_per_node
+    dp_comm = dp_bytes / (NETWORK_BYTES_S if cross_node else NVLINK_BYTES_S)
+    return compute + tp_comm + dp_comm
+
+
+def search(
+    arch: ModelArch,
+    base: Setting,
+    cluster: Cluster,
+    *,
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+) -> list[tuple[float, Plan]]:
+    """Every (tp, pp, micro_batch_size, recompute) whose plan fits, fastest first by
+    `step_seconds`. tp stays inside a node; vLLM's layout is `base`'s."""
+    found = []
+    for tp in range(1, cluster.gpus_per_node + 1):
+        for pp in range(1, arch.num_layers + 1):
+            if cluster.world % (tp * pp) or arch.num_layers % pp:
+                continue
+            for mbs in micro_batch_sizes:
+                for recompute in RECOMPUTE:
+                    setting = dataclasses.replace(
+                        base,
+                        tp=tp,
+                        pp=pp,
+                        micro_batch_size=mbs,
+                        recompute=recompute,
+                    )
+                    try:
+                        p = plan(arch, setting, cluster)
+                    except ValueError:
+                        continue
+                    if p.fits:
+                        found.append((step_seconds(arch, p), p))
+    found.sort(key=lambda item: item[0])
+    return found

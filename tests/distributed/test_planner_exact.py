@@ -1,0 +1,194 @@
+"""The planner's trainer-state bytes equal what Megatron-Core allocates, to the byte (gloo, 4
+processes), and its activation bytes equal the tensors saved for backward (1 process)."""
+
+from tests.distributed.harness import run_distributed
+
+# (tp, pp) on 4 processes: dp = 4 / (tp pp)
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+MODELS = {
+    "qwen2-tied": dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    "llama": dict(architectures=["LlamaForCausalLM"], tie_word_embeddings=False),
+}
+CASES = [(dtype, distopt) for dtype in ("float32", "bfloat16") for distopt in (False, True)]
+
+
+def _arch(name):
+    from cwgrpo_megatron.convert.arch import ModelArch
+    from cwgrpo_megatron.megatron.layout_check import TINY_QWEN2
+
+    # an odd vocabulary, so that padding to 128 x tp shows
+    return ModelArch.from_hf_dict({**TINY_QWEN2, "vocab_size": 1000, **MODELS[name]})
+
+
+def _measure_states(rank, world):
+    from cwgrpo_megatron.config import load_config
+    from cwgrpo_megatron.megatron import parallel
+    from cwgrpo_megatron.megatron.memory import trainer_state_bytes
+    from cwgrpo_megatron.megatron.train_step import build_actor
+    from cwgrpo_megatron.planner import trainer_state
+
+    out = []
+    for tp, pp in LAYOUTS:
+        parallel.initialize(tp=tp, pp=pp)
+        layout = parallel.layout()
+        dp_rank, _ = parallel.data_parallel()
+        from megatron.core import parallel_state
+
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        for name in MODELS:
+            arch = _arch(name)
+            for dtype, distopt in CASES:
+                cfg = load_config(
+                    overrides=[
+                        f"parallel.tp={tp}",
+                        f"parallel.pp={pp}",
+                        f"train.params_dtype={dtype}",
+                        f"optim.use_distributed_optimizer={distopt}",
+                        "optim.lr=1e-3",
+                    ]
+                )
+                actor = build_actor(cfg, arch, lambda model: None)
+                actor.model.zero_grad_buffer()
+                actor.optimizer.zero_grad()
+                from cwgrpo_megatron.megatron.cpu import on_cpu
+
+                with on_cpu():
+                    actor.optimizer.step()  # Adam creates its moments on the first step
+                measured = trainer_state_bytes(actor.model, actor.optimizer)
+                predicted = trainer_state(
+                    arch,
+                    tp=tp,
+                    pp=pp,
+                    dp=layout["dp"],
+                    stage=stage,
+                    params_dtype=dtype,
+                    distributed=distopt,
+                    dp_rank=dp_rank,
+                    local_spec=True,
+                )
+                out.append(
+                    dict(
+                        case=(name, tp, pp, dtype, distopt, rank),
+                        measured=measured,
+                        predicted=dict(
+                            params=predicted.params,
+                            grads=predicted.grads,
+                            optimizer=predicted.optimizer,
+                        ),
+                    )
+                )
+        parallel.destroy()
+    return out
+
+
+def test_trainer_state_bytes_are_exact():
+    results = [r for rank in run_distributed(_measure_states, 4, timeout=600) for r in rank]
+    assert len(results) == 4 * len(LAYOUTS) * len(MODELS) * len(CASES)
+    for r in results:
+        assert r["measured"]["optimizer"] > 0, r
+        assert r["predicted"] == r["measured"], r["case"]
+
+
+SEQ_LENS = (64, 128, 256, 512)
+RECOMPUTE = {
+    "none": [],
+    "full": ["train.recompute_granularity=full", "train.recompute_num_layers=1"],
+    "full-chunks-of-2": ["train.recompute_granularity=full", "train.recompute_num_layers=2"],
+    "full-block-3": [
+        "train.recompute_granularity=full",
+        "train.recompute_method=block",
+        "train.recompute_num_layers=3",
+    ],
+    "selective": ["train.recompute_granularity=selective"],
+}
+
+
+def _measure_activations(rank, world):
+    from cwgrpo_megatron.config import load_config
+    from cwgrpo_megatron.data.batching import synthetic_batch
+    from cwgrpo_megatron.megatron import parallel
+    from cwgrpo_megatron.megatron.memory import micro_batch_saved_bytes
+    from cwgrpo_megatron.megatron.model import DTYPES, build_model
+    from cwgrpo_megatron.planner import activation_bytes
+
+    parallel.initialize(tp=1, pp=1)
+    out = []
+    for name in MODELS:
+        arch = _arch(name)
+        for dtype in ("float32", "bfloat16"):
+            for mode, overrides in RECOMPUTE.items():
+                cfg = load_config(
+                    overrides=[f"train.params_dtype={dtype}", "algo.kl_beta=0.04", *overrides]
+                )
+                model = build_model(
+                    arch,
+                    params_dtype=DTYPES[dtype],
+                    calculate_per_token_loss=True,
+                    **cfg.train.recompute_overrides(),
+                )
+                for s in SEQ_LENS:
+                    batch = synthetic_batch(
+                        prompts=1, group_size=2, seq_len=s, vocab_size=1000, seed=s
+                    )
+                    measured = micro_batch_saved_bytes(model, batch, cfg, arch)
+                    t = cfg.train
+                    predicted = activation_bytes(
+                        arch,
+                        tp=1,
+                        pp=1,
+                        stage=0,
+                        b=2,
+                        s=s,
+                        dtype=dtype,
+                        recompute=t.recompute_granularity,
+                        recompute_method=t.recompute_method,
+                        recompute_num_layers=t.recompute_num_layers,
+                        spec="local",
+                    ).saved
+                    out.append(dict(case=(name, dtype, mode, s), m=measured, p=predicted))
+    parallel.destroy()
+    return out
+
+
+def test_activation_bytes_match_saved_tensors():
+    results = run_distributed(_measure_activations, 1, timeout=600)[0]
+    for r in results:
+        print(r["case"], r["m"], r["p"], f"{r['p'] / r['m'] - 1:+.2%}")
+    for r in results:
+        assert r["p"] == r["m"], r  # the issue asks for 15%; the local spec is exact
+
+
+def _megatron_counts(rank, world):
+    import torch
+
+    from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size, recipe_names
+    from cwgrpo_megatron.megatron import parallel
+    from cwgrpo_megatron.megatron.model import build_model
+    from cwgrpo_megatron.planner import stage_tensors
+
+    parallel.initialize(tp=1, pp=1)
+    out = {}
+    for name in recipe_names():
+        arch = ModelArch.recipe(name)
+        # the meta device: no weights, no memory, whatever the size
+        with torch.device("meta"):
+            model = build_model(arch, params_dtype=torch.bfloat16, perform_initialization=False)
+        names = [(n, p.numel()) for n, p in model.named_parameters()]
+        padding = padded_vocab_size(arch.vocab_size, tp=1) - arch.vocab_size
+        vocab_tensors = 1 if arch.tie_embeddings else 2
+        out[name] = dict(
+            count=sum(n for _, n in names) - vocab_tensors * padding * arch.hidden_size,
+            planner_tensors=names == stage_tensors(arch, tp=1, pp=1, stage=0),
+        )
+        del model
+    parallel.destroy()
+    return out
+
+
+def test_megatron_parameter_counts_on_meta_equal_transformers():
+    from tests.unit.test_planner import HF_COUNTS
+
+    counts = run_distributed(_megatron_counts, 1, timeout=600)[0]
+    assert {name: c["count"] for name, c in counts.items()} == HF_COUNTS
+    # and the planner's list of tensors is Megatron's, name by name, in order
+    assert all(c["planner_tensors"] for c in counts.values()), counts

@@ -1,0 +1,159 @@
+"""Will this run fit? GPU memory per rank by phase for a run config, before the allocation.
+
+    python tools/plan_memory.py --config configs/qwen2p5_math_7b.yaml
+    python tools/plan_memory.py --config configs/qwen2p5_72b.yaml --nodes 8 --rollout-tp 8
+    python tools/plan_memory.py --config configs/qwen2p5_32b.yaml --search --top 10
+    python tools/plan_memory.py --config configs/qwen2p5_14b.yaml --json parallel.tp=4
+
+Prints, for the most-loaded GPU: parameters, gradient buffer and optimizer state (exactly as
+Megatron-Core allocates them), the reference model (kl_beta > 0), the activations of the
+micro-batches 1F1B keeps in flight at the config's micro-batch and recompute, vLLM's share when
+colocated, the peak of each phase (rollout, old-logp, train) and the verdict against capacity.
+--search lists every layout (tp, pp, micro-batch size, recompute) that fits, fastest first by
+`planner.step_seconds` (an ordering rule, not a prediction). --json prints one JSON object.
+The model is the config's model.arch (a name of configs/models, or an HF config.json), else
+the config.json in model.path. The formulas are in cwgrpo_megatron/planner.py. Exit 2 on a
+layout or config that cannot work, 1 when the plan does not fit.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cwgrpo_megatron import planner  # noqa: E402
+from cwgrpo_megatron.config import load_config  # noqa: E402
+from cwgrpo_megatron.convert.arch import ModelArch  # noqa: E402
+
+
+def _gib(x: int) -> str:
+    return f"{x / planner.GiB:8.2f}"
+
+
+def _arch(cfg) -> ModelArch:
+    if cfg.model.arch:
+        return ModelArch.recipe(cfg.model.arch)
+    if cfg.model.path:
+        return ModelArch.from_hf_dir(cfg.model.path)
+    raise ValueError(
+        "the config names no model: set model.arch (a name of configs/models) or model.path"
+    )
+
+
+def report(arch: ModelArch, p: planner.Plan) -> str:
+    s, c, v = p.setting, p.cluster, p.vllm
+    sharded = ", sharded over dp" if s.distributed_optimizer else ""
+    rows = [
+        (f"parameters ({s.params_dtype})", p.state.params, ""),
+        ("gradient buffer (fp32)", p.state.grads, ""),
+        (f"optimizer ({s.optimizer}{sharded})", p.state.optimizer, ""),
+        ("reference model", p.ref_model, "" if s.kl_beta > 0 else "kl_beta = 0"),
+        (
+            "activations (train)",
+            p.activations,
+            f"{min(s.pp - p.stage, p.micro_batches)} micro-batch(es) in flight + backward",
+        ),
+        (
+            "vLLM reservation",
+            v.reserved,
+            f"weights {v.weights / planner.GiB:.2f} at rollout tp={s.engine_tp}"
+            + ("" if s.rollout_tp else " (one engine, rank 0)")
+            + f"; KV cache "
+            f"{v.kv_needed / planner.GiB:.2f} needed, {v.kv_available / planner.GiB:.2f} there "
+            f"({v.concurrency:.0%} of its sequences at once)",
+        ),
+        ("reserve (CUDA context, NCCL)", planner.RESERVE, ""),
+    ]
+    lines = [
+        f"{planner.params_total(arch):,} parameters; tp={s.tp} pp={s.pp} dp={p.dp} on "
+        f"{c.nodes} x {c.gpus_per_node} GPUs of {c.gpu_gib:g} GiB ({s.spec} layer spec)",
+        f"micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {s.recompute}, "
+        f"{p.micro_batches} micro-batches per DP rank; the bytes below are stage {p.stage}'s "
+        f"(of {s.pp})",
+        f"{'per GPU':<36}{'GiB':>8}",
+    ]
+    lines += [f"  {label:<34}{_gib(value)}   {note}".rstrip() for label, value, note in rows]
+    lines.append("peak by phase (on its most-loaded stage)")
+    lines += [
+        f"  {name:<34}{_gib(value)}   stage {p.phase_stage[name]}"
+        for name, value in p.phases.items()
+    ]
+    verdict = "FITS" if p.fits else "DOES NOT FIT"
+    lines.append(f"verdict: {verdict} (peak {p.peak / planner.GiB:.2f} of {c.gpu_gib:g} GiB)")
+    if not p.vllm_fits:
+        lines.append(
+            f"  vLLM's weights ({v.weights / planner.GiB:.2f} GiB) do not fit its reservation "
+            f"({v.reserved / planner.GiB:.2f} GiB): raise rollout.gpu_memory_utilization or "
+            "the rollout tp"
+        )
+    return "\n".join(lines)
+
+
+def search_table(arch: ModelArch, found, top: int) -> str:
+    lines = [
+        f"{len(found)} layouts fit; fastest first by planner.step_seconds "
+        "(compute at MFU, 1F1B bubble, TP and DP communication)",
+        "  tp  pp  dp  mbs  tokens/mb  recompute  peak GiB  est. s/step",
+    ]
+    for seconds, p in found[:top]:
+        s = p.setting
+        lines.append(
+            f"  {s.tp:>2}  {s.pp:>2}  {p.dp:>2}  {s.micro_batch_size:>3}  "
+            f"{s.micro_batch_size * s.seq_len:>9}  {s.recompute:<9}  {_gib(p.peak)}  "
+            f"{seconds:11.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, action="append", help="run config YAML")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-gib", type=float, default=80.0)
+    parser.add_argument("--rollout-tp", type=int, default=None,
+                        help="plan one vLLM engine per N GPUs at tp N (rollout replicas, still "
+                        "to be built); default: today's one engine at tp 1 on rank 0")  # fmt: skip
+    parser.add_argument("--spec", choices=planner.SPECS, default="te",
+                        help="te: Transformer Engine on GPU (default); local: Megatron's local "
+                        "spec, as on CPU")  # fmt: skip
+    parser.add_argument("--not-colocated", action="store_true", help="vLLM on other GPUs")
+    parser.add_argument("--search", action="store_true", help="list the layouts that fit")
+    parser.add_argument("--top", type=int, default=15, help="rows of --search")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=4")
+    args = parser.parse_args(argv)
+    try:
+        for name in ("nodes", "gpus_per_node", "top"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.gpu_gib <= 0:
+            raise ValueError("--gpu-gib must be > 0")
+        cfg = load_config(args.config, args.overrides)
+        arch = _arch(cfg)
+        cluster = planner.Cluster(
+            nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_gib=args.gpu_gib
+        )
+        setting = planner.Setting.from_config(
+            cfg, rollout_tp=args.rollout_tp, spec=args.spec, colocated=not args.not_colocated
+        )
+        if args.search:
+            found = planner.search(arch, setting, cluster)
+            if args.json:
+                rows = [dict(p.to_json(arch), step_seconds=t) for t, p in found[: args.top]]
+                print(json.dumps({"params_total": planner.params_total(arch), "fits": rows}))
+            else:
+                print(search_table(arch, found, args.top))
+            return 0 if found else 1
+        p = planner.plan(arch, setting, cluster)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(p.to_json(arch)) if args.json else report(arch, p))
+    return 0 if p.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
