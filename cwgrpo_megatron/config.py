@@ -202,7 +202,14 @@ class TrainConfig:
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch; later ones re-run the forward-only pass."""
     micro_batch_size: int = 1
-    """Sequences per micro-batch on one data-parallel rank."""
+    """Sequences per micro-batch on one data-parallel rank, each padded to the step's longest
+    row (unused with max_tokens_per_micro_batch)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token-budget micro-batches: a rank's rows are sorted by length and packed greedily, each
+    micro-batch padded only to its own longest row, up to this many tokens (rows x that
+    length). Every statistic and normaliser is global, so the step is that of fixed-size
+    micro-batches; only the padding goes. At least the longest row: data.max_prompt_tokens +
+    rollout.max_tokens. None: fixed micro_batch_size."""
     temperature: float = 0.7
     """Sampling temperature: log-probs are those of softmax(logits / temperature)."""
     params_dtype: str = "float32"
@@ -257,6 +264,8 @@ class TrainConfig:
         )
         _check_choice("train.recompute_method", self.recompute_method, RECOMPUTE_METHODS)
         _check_range("train.recompute_num_layers", self.recompute_num_layers, low=1)
+        if self.max_tokens_per_micro_batch is not None:
+            _check_range("train.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, low=1)
         if self.group_size == 1:
             warnings.warn(
                 "train.group_size=1: a group of one response has no baseline, so every "
@@ -588,6 +597,14 @@ class Config:
                 f"{r.max_tokens} exceed rollout.max_model_len={r.max_model_len}: lower one of "
                 "the first two or raise the third"
             )
+        budget = t.max_tokens_per_micro_batch
+        longest = d.max_prompt_tokens + r.max_tokens
+        if budget is not None and budget < longest:
+            raise ValueError(
+                f"train.max_tokens_per_micro_batch={budget} is below the longest possible row, "
+                f"data.max_prompt_tokens + rollout.max_tokens = {longest}: raise it (a row is "
+                "never split)"
+            )
         if t.total_steps % t.ppo_mini_batches:
             raise ValueError(
                 f"train.total_steps={t.total_steps} counts optimizer steps and must be a "
@@ -659,7 +676,7 @@ class Config:
                 "train.prompts_per_step / train.ppo_mini_batches a multiple of dp"
             )
         rows = prompts // dp * self.train.group_size
-        if rows % self.train.micro_batch_size:
+        if self.train.max_tokens_per_micro_batch is None and rows % self.train.micro_batch_size:
             raise ValueError(
                 f"{rows} sequences per rank and mini-batch are not a multiple of "
                 f"train.micro_batch_size={self.train.micro_batch_size}"

@@ -397,6 +397,7 @@ class Setting:
     distributed_optimizer: bool = True
     kl_beta: float = 0.0
     micro_batch_size: int = 1
+    """Rows of a micro-batch; from a token budget, the rows of the longest length it holds."""
     seq_len: int = 4096
     """Tokens of a padded row: max prompt + max completion tokens."""
     sequences_per_step: int = 144
@@ -422,6 +423,11 @@ class Setting:
     @classmethod
     def from_config(cls, cfg, **changes) -> Setting:
         t, r = cfg.train, cfg.rollout
+        seq_len = cfg.data.max_prompt_tokens + r.max_tokens
+        # a token budget holds at worst budget // seq_len rows of the longest length
+        mbs = t.micro_batch_size
+        if t.max_tokens_per_micro_batch is not None:
+            mbs = max(1, t.max_tokens_per_micro_batch // seq_len)
         values = dict(
             tp=cfg.parallel.tp,
             pp=cfg.parallel.pp,
@@ -429,8 +435,8 @@ class Setting:
             optimizer=cfg.optim.optimizer,
             distributed_optimizer=cfg.optim.use_distributed_optimizer,
             kl_beta=cfg.algo.kl_beta,
-            micro_batch_size=t.micro_batch_size,
-            seq_len=cfg.data.max_prompt_tokens + r.max_tokens,
+            micro_batch_size=mbs,
+            seq_len=seq_len,
             sequences_per_step=t.sequences_per_step,
             mini_batches=t.ppo_mini_batches,
             recompute=t.recompute_granularity,
@@ -453,7 +459,7 @@ class Plan:
     micro_batches: int
     """Micro-batches per DP rank and mini-batch."""
     stage: int
-    """The stage of the highest phase peak; the byte breakdown is this stage's."""
+    """The stage of the highest phase peak. Each byte figure is the largest over stages."""
     state: TrainerState
     ref_model: int
     activations: int
@@ -550,7 +556,8 @@ def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
 
 
 def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
-    """Bytes per GPU by phase for `setting` on `cluster`, at the most-loaded stage."""
+    """Bytes per GPU by phase for `setting` on `cluster`: each figure, and each phase's peak,
+    on its most-loaded pipeline stage."""
     dp = check_layout(arch, setting, cluster)
     tp, pp = setting.tp, setting.pp
     rows = setting.sequences_per_step // setting.mini_batches // dp
@@ -628,12 +635,23 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
             phases,
         )
         candidates.append(candidate)
-    best = max(candidates, key=lambda c: c.peak)
-    # each phase's peak is that of its own most-loaded stage (train: the first, by 1F1B's
-    # in-flight micro-batches; rollout: the last, by the output layer)
-    worst = {name: max(candidates, key=lambda c: c.phases[name]) for name in best.phases}
+    # every figure is that of its own most-loaded stage (train: the first, by 1F1B's in-flight
+    # micro-batches; rollout: the last, by the output layer)
+    worst = {name: max(candidates, key=lambda c: c.phases[name]) for name in candidates[0].phases}
+
+    def most(get):
+        return max(get(c) for c in candidates)
+
     return dataclasses.replace(
-        best,
+        max(candidates, key=lambda c: c.peak),
+        state=TrainerState(
+            params=most(lambda c: c.state.params),
+            grads=most(lambda c: c.state.grads),
+            optimizer=most(lambda c: c.state.optimizer),
+        ),
+        ref_model=most(lambda c: c.ref_model),
+        activations=most(lambda c: c.activations),
+        forward_working=most(lambda c: c.forward_working),
         phases={name: c.phases[name] for name, c in worst.items()},
         phase_stage={name: c.stage for name, c in worst.items()},
     )

@@ -9,6 +9,9 @@
     groups/frac_zero_std              share of prompt groups whose rewards are all equal (A = 0)
     actor/*, cw/*, rollout/gap_*      the loss's metrics (`algo.metrics`, reduced over the global
                                       batch), averaged over the step's PPO mini-batches
+    actor/padded_tokens               token positions the training passes ran over (rows x
+    actor/micro_batches               micro-batch length) and micro-batches, over DP ranks
+                                      and mini-batches (train.max_tokens_per_micro_batch)
     sync/gap, sync/tol                engine-vs-trainer log-prob gap (worst token) after the
     sync/gap_mean, sync/tol_mean      sync and the check's tolerance, and the same for the
                                       mean over tokens, on steps where run.verify_sync checks
@@ -90,6 +93,8 @@ def actor_metrics(results) -> dict[str, float]:
         "actor/grad_norm": _mean([r.grad_norm for r in results]),
         "actor/lr": results[-1].lr,
         "actor/skipped_updates": float(sum(r.skipped for r in results)),
+        "actor/padded_tokens": float(sum(r.padded_tokens for r in results)),
+        "actor/micro_batches": float(sum(r.micro_batches for r in results)),
     }
     for name in results[0].metrics:
         if name not in _UNLOGGED:

@@ -53,7 +53,7 @@ def report(arch: ModelArch, p: planner.Plan) -> str:
         (
             "activations (train)",
             p.activations,
-            f"{min(s.pp - p.stage, p.micro_batches)} micro-batch(es) in flight + backward",
+            f"{min(s.pp, p.micro_batches)} micro-batch(es) in flight on stage 0 + backward",
         ),
         (
             "vLLM reservation",
@@ -70,8 +70,8 @@ def report(arch: ModelArch, p: planner.Plan) -> str:
         f"{planner.params_total(arch):,} parameters; tp={s.tp} pp={s.pp} dp={p.dp} on "
         f"{c.nodes} x {c.gpus_per_node} GPUs of {c.gpu_gib:g} GiB ({s.spec} layer spec)",
         f"micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {s.recompute}, "
-        f"{p.micro_batches} micro-batches per DP rank; the bytes below are stage {p.stage}'s "
-        f"(of {s.pp})",
+        f"{p.micro_batches} micro-batches per DP rank; each figure on its most-loaded of "
+        f"{s.pp} stage(s)",
         f"{'per GPU':<36}{'GiB':>8}",
     ]
     lines += [f"  {label:<34}{_gib(value)}   {note}".rstrip() for label, value, note in rows]

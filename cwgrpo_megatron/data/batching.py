@@ -37,6 +37,8 @@ class TrainBatch:
     rows were not sampled by a rollout engine (synthetic batches)."""
     prompt_index: Tensor
     """[b] int64 global prompt id of each row."""
+    lengths: Tensor
+    """[b] int64 prompt + response tokens of each row; the rest of the row is padding."""
 
     @property
     def rows(self) -> int:
@@ -65,11 +67,22 @@ class TrainBatch:
         self._check_whole_groups(size)
         return [self.select(slice(i * size, (i + 1) * size)) for i in range(parts)]
 
-    def micro_batches(self, size: int) -> list[TrainBatch]:
-        """Consecutive micro-batches of `size` rows (groups may be split across them)."""
-        if self.rows % size:
+    def micro_batches(
+        self, *, size: int | None = None, max_tokens: int | None = None
+    ) -> list[MicroBatch]:
+        """How this shard is cut for the forward and backward passes: consecutive blocks of
+        `size` rows at the full length s, or, with `max_tokens`, `pack_rows` of the lengths."""
+        if max_tokens is not None:
+            return pack_rows(self.lengths, max_tokens)
+        if size is None or self.rows % size:
             raise ValueError(f"{self.rows} rows are not a multiple of micro_batch_size={size}")
-        return [self.select(slice(i, i + size)) for i in range(0, self.rows, size)]
+        s = self.tokens.shape[1]
+        rows = torch.arange(self.rows, device=self.tokens.device)
+        return [MicroBatch(rows=r, length=s) for r in rows.split(size)]
+
+    def gather(self, micro: MicroBatch) -> TrainBatch:
+        """The rows of `micro`, cut to its length: `[m, length]` per-token fields."""
+        return self._map(lambda t: t[micro.rows, : micro.length] if t.dim() == 2 else t[micro.rows])
 
     def shard(self, rank: int, size: int) -> TrainBatch:
         """This data-parallel rank's block of whole prompt groups."""
@@ -83,6 +96,42 @@ class TrainBatch:
                     f"a cut at row {start} would split prompt {int(idx[start])} across parts; "
                     "cut at prompt-group boundaries"
                 )
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    rows: Tensor
+    """[m] int64 positions of its rows in the shard."""
+    length: int
+    """Tokens per row after padding: the longest of its rows (s for fixed-size ones)."""
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.rows.numel() * self.length
+
+
+def pack_rows(lengths: Tensor, max_tokens: int) -> list[MicroBatch]:
+    """Greedy token-budget packing: rows sorted by length, longest first (ties by position),
+    each micro-batch takes the next rows while rows x its first (longest) length stays within
+    `max_tokens`. Every statistic and normaliser of the step is global, so how rows are packed
+    changes no number, only the padding: a micro-batch is padded to its own longest row."""
+    if lengths.numel() == 0:
+        return []
+    longest = int(lengths.max())
+    if longest > max_tokens:
+        raise ValueError(
+            f"a row of {longest} tokens exceeds train.max_tokens_per_micro_batch={max_tokens}; "
+            "raise the budget to at least data.max_prompt_tokens + rollout.max_tokens"
+        )
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    sizes = lengths[order].tolist()
+    out, start = [], 0
+    while start < len(sizes):
+        length = sizes[start]
+        end = min(len(sizes), start + max_tokens // length)
+        out.append(MicroBatch(rows=order[start:end], length=length))
+        start = end
+    return out
 
 
 def shard_prompts(num_prompts: int, *, mini_batches: int, dp_rank: int, dp_size: int) -> list[int]:
@@ -133,6 +182,7 @@ def build_train_batch(
         raise ValueError(f"seq_len={s} is shorter than the longest prompt + response ({longest})")
     rows = num_prompts * group
     tokens = torch.full((rows, s + 1), pad_id, dtype=torch.long)
+    lengths = torch.zeros(rows, dtype=torch.long)
     mask = torch.zeros(rows, s)
     logp = torch.zeros(rows, s)
     prompt_index = torch.arange(num_prompts).repeat_interleave(group)
@@ -144,6 +194,7 @@ def build_train_batch(
             n_p, n_r = len(prompt), len(response)
             tokens[i, :n_p] = torch.tensor(prompt)
             tokens[i, n_p : n_p + n_r] = torch.tensor(response)
+            lengths[i] = n_p + n_r
             # position t predicts token t + 1: response tokens are labels n_p - 1 ... n_p + n_r - 2
             mask[i, n_p - 1 : n_p + n_r - 1] = 1.0
             if rollout_logps is not None:
@@ -162,6 +213,7 @@ def build_train_batch(
         advantages=broadcast_to_tokens(adv_rows, mask),
         rollout_logp=logp if rollout_logps is not None else None,
         prompt_index=prompt_index,
+        lengths=lengths,
     )
 
 

@@ -14,19 +14,22 @@ from cwgrpo_megatron.megatron.cpu import on_cpu
 def forward_only(
     model, token_batches: Sequence[torch.Tensor], on_logits: Callable[[torch.Tensor, int], object]
 ) -> list | None:
-    """Run `token_batches` (equal-shaped `[mbs, s]` micro-batches) forward with no gradient.
+    """Run `token_batches` (`[mbs, s]` micro-batches) forward with no gradient.
 
     On the last pipeline stage returns `[on_logits(logits, i) for each micro-batch i]`, with
     logits `[mbs, s, V/tp]`; None on other stages. Every rank of the model-parallel group
-    calls it with the same micro-batches (pipeline stages exchange activations via p2p).
+    calls it with the same micro-batches (pipeline stages exchange activations via p2p). With
+    pp > 1, micro-batches of different shapes need the model's config.variable_seq_lengths.
     """
-    mbs, s = token_batches[0].shape
-    positions = torch.arange(s, device=token_batches[0].device).unsqueeze(0).expand(mbs, s)
+    mbs = max(t.shape[0] for t in token_batches)
+    s = max(t.shape[1] for t in token_batches)
     batches = iter(enumerate(token_batches))
     results: list = []
 
     def forward_step(data_iterator, model_chunk):
         index, tokens = next(data_iterator)
+        b, length = tokens.shape
+        positions = torch.arange(length, device=tokens.device).unsqueeze(0).expand(b, length)
         output = model_chunk(tokens, positions, attention_mask=None)
 
         def keep(output_tensor):

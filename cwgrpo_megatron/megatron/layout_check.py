@@ -223,7 +223,7 @@ def run(
             trainer.model.finish_grad_sync = lambda *a, **k: None
         start = _hf_snapshot(trainer.model, arch)
         initial = param_checksum(trainer.model)
-        losses, norms, skipped, metrics = [], [], [], []
+        losses, norms, skipped, metrics, padded = [], [], [], [], []
         for step in range(steps):
             if batch_fn is not None:
                 batch = batch_fn(step, arch)
@@ -244,6 +244,7 @@ def run(
                 norms.append(result.grad_norm)
                 skipped.append(result.skipped)
                 metrics.append(result.metrics)
+                padded.append(result.padded_tokens)
         out = {
             "loss": losses,
             "grad_norm": norms,
@@ -251,6 +252,7 @@ def run(
             "initial_checksum": initial,
             "skipped": skipped,
             "metrics": metrics,
+            "padded_tokens": padded,
             "layout": {**parallel.layout(), "micro_batches": micro_batches},
         }
         update = _update_stats(trainer.model, arch, start, perm)

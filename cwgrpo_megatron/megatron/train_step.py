@@ -44,7 +44,7 @@ from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
 from cwgrpo_megatron.algo.metrics import Metrics, finalize, histograms, merge
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.data.batching import TrainBatch
+from cwgrpo_megatron.data.batching import MicroBatch, TrainBatch
 from cwgrpo_megatron.dist import (
     broadcast_object,
     make_scope,
@@ -93,18 +93,32 @@ class StepResult:
     rank."""
     lr: float = float("nan")
     """The learning rate this step used."""
+    padded_tokens: int = 0
+    """Token positions the forward and backward passes ran over (rows x micro-batch length),
+    summed over data-parallel ranks: what padding costs, next to the loss's token count."""
+    micro_batches: int = 0
+    """Micro-batches of the update, summed over data-parallel ranks."""
 
 
 def build_actor(cfg: Config, arch: ModelArch, load_weights) -> Actor:
     """Model (loaded by `load_weights(model)`), DDP, optimizer and LR schedule on this rank."""
     dtype = DTYPES[cfg.train.params_dtype]
+    # packed micro-batches differ in shape: pipeline stages then exchange shapes first
+    variable = {}
+    if cfg.train.max_tokens_per_micro_batch is not None:
+        # the dispatcher is MoE's (unused here); Megatron refuses its default beside the flag
+        variable = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
     model = build_model(
-        arch, params_dtype=dtype, calculate_per_token_loss=True, **cfg.train.recompute_overrides()
+        arch,
+        params_dtype=dtype,
+        calculate_per_token_loss=True,
+        **variable,
+        **cfg.train.recompute_overrides(),
     )
     load_weights(model)
     ref_model = None
     if cfg.algo.kl_beta > 0:
-        ref_model = build_model(arch, params_dtype=dtype, perform_initialization=False)
+        ref_model = build_model(arch, params_dtype=dtype, perform_initialization=False, **variable)
         ref_model.load_state_dict(model.state_dict())
         ref_model.eval().requires_grad_(False)
     ddp_config = DistributedDataParallelConfig(
@@ -168,8 +182,17 @@ def label_logprobs(logits, labels, cfg: Config, arch: ModelArch):
     )
 
 
-def logprobs(model, micro: list[TrainBatch], cfg: Config, arch: ModelArch):
-    """(logp, entropy) `[b, s]` of the labels at the sampling temperature; last stage only."""
+def micro_batches(local: TrainBatch, cfg: Config) -> list[MicroBatch]:
+    """This shard's micro-batches: blocks of train.micro_batch_size rows, or rows packed up to
+    train.max_tokens_per_micro_batch tokens."""
+    t = cfg.train
+    return local.micro_batches(size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch)
+
+
+def logprobs(model, local: TrainBatch, plan: list[MicroBatch], cfg: Config, arch: ModelArch):
+    """(logp, entropy) `[b, s]` of the labels at the sampling temperature, in `local`'s row
+    order (0 past a packed row's micro-batch length); last stage only."""
+    micro = [local.gather(m) for m in plan]
 
     def score(logits, i):
         return label_logprobs(logits, micro[i].labels, cfg, arch)
@@ -177,7 +200,22 @@ def logprobs(model, micro: list[TrainBatch], cfg: Config, arch: ModelArch):
     out = forward_only(model, [m.tokens for m in micro], score)
     if out is None:
         return None, None
-    return torch.cat([lp for lp, _ in out]), torch.cat([h for _, h in out])
+    return _unpack([lp for lp, _ in out], plan, local), _unpack([h for _, h in out], plan, local)
+
+
+def _unpack(parts: list[torch.Tensor], plan: list[MicroBatch], local: TrainBatch):
+    """Micro-batch pieces `[m, length]` back into one `[b, s]` tensor in row order."""
+    full = parts[0].new_zeros(local.tokens.shape)
+    for part, m in zip(parts, plan, strict=True):
+        full[m.rows, : m.length] = part
+    return full
+
+
+def _pieces(tensor: torch.Tensor | None, plan: list[MicroBatch]) -> list:
+    """`tensor [b, s]` cut as the micro-batches are, or Nones where a stage has no such tensor."""
+    if tensor is None:
+        return [None] * len(plan)
+    return [tensor[m.rows, : m.length] for m in plan]
 
 
 @dataclass
@@ -215,7 +253,10 @@ def _forward_backward(trainer: Actor, micro: list[_Micro]) -> list[dict]:
         output = model_chunk(m.batch.tokens, m.batch.position_ids, attention_mask=None)
         return output, partial(_loss_func, m, trainer)
 
-    mbs, s = micro[0].batch.tokens.shape
+    # with packed micro-batches the shapes vary: the pipeline then sends them first
+    # (variable_seq_lengths); these are the largest, as the schedule's buffers need
+    mbs = max(m.batch.tokens.shape[0] for m in micro)
+    s = max(m.batch.tokens.shape[1] for m in micro)
     with on_cpu():
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -240,11 +281,6 @@ def _grads_finite(trainer: Actor) -> bool:
     return bool(max_over(bad, dist.group.WORLD) == 0)
 
 
-def _slices(tensor: torch.Tensor | None, size: int, count: int) -> list:
-    """`count` row blocks of `tensor`, or `count` Nones where a stage has no such tensor."""
-    return [None] * count if tensor is None else list(tensor.split(size))
-
-
 # ---- the step --------------------------------------------------------------------------------
 
 
@@ -263,24 +299,28 @@ def train_step(
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     mini_batches = [m.shard(dp_rank, dp_size) for m in rollout.split(cfg.train.ppo_mini_batches)]
-    split = [m.micro_batches(cfg.train.micro_batch_size) for m in mini_batches]
+    plans = [micro_batches(m, cfg) for m in mini_batches]
+    arch = trainer.arch
     # l_old of every mini-batch comes from the policy before this rollout's first update
     with timer("old_logp"):
-        old = [logprobs(trainer.model, micro, cfg, trainer.arch)[0] for micro in split]
+        old = [
+            logprobs(trainer.model, m, plan, cfg, arch)[0]
+            for m, plan in zip(mini_batches, plans, strict=True)
+        ]
     results = []
-    for k, (local, micro) in enumerate(zip(mini_batches, split, strict=True)):
+    for k, (local, plan) in enumerate(zip(mini_batches, plans, strict=True)):
         with timer("old_logp"):
             # the statistics are those of the policy about to be updated
-            policy_logp = old[k] if k == 0 else logprobs(trainer.model, micro, cfg, trainer.arch)[0]
+            policy_logp = old[k] if k == 0 else logprobs(trainer.model, local, plan, cfg, arch)[0]
             ref_logp = None
             if trainer.ref_model is not None:
-                ref_logp = logprobs(trainer.ref_model, micro, cfg, trainer.arch)[0]
+                ref_logp = logprobs(trainer.ref_model, local, plan, cfg, arch)[0]
         with timer("train"):
-            results.append(_update(trainer, local, micro, old[k], policy_logp, ref_logp))
+            results.append(_update(trainer, local, plan, old[k], policy_logp, ref_logp))
     return results
 
 
-def _update(trainer, local, micro, old_logp, policy_logp, ref_logp) -> StepResult:
+def _update(trainer, local, plan, old_logp, policy_logp, ref_logp) -> StepResult:
     cfg = trainer.cfg
     last = parallel_state.is_pipeline_last_stage()
     dev = device()
@@ -291,7 +331,7 @@ def _update(trainer, local, micro, old_logp, policy_logp, ref_logp) -> StepResul
             batch_size=local.rows,
             group=parallel_state.get_data_parallel_group(),
             prompt_index=local.prompt_index,
-            micro_batch_index=torch.arange(local.rows, device=dev) // cfg.train.micro_batch_size,
+            micro_batch_index=_micro_batch_index(plan, local.rows, dev),
             # shards are consecutive blocks of the mini-batch, so this is the global row order
             row_order=parallel_state.get_data_parallel_rank() * local.rows
             + torch.arange(local.rows, device=dev),
@@ -308,22 +348,22 @@ def _update(trainer, local, micro, old_logp, policy_logp, ref_logp) -> StepResul
             generator=generator,
         )
         token_stat, prepared_metrics = prepared.token_stat, prepared.metrics
-    size = cfg.train.micro_batch_size
-    n = len(micro)
     micro_inputs = [
         _Micro(*parts)
         for parts in zip(
-            micro,
-            _slices(old_logp, size, n),
-            _slices(token_stat, size, n),
-            _slices(ref_logp, size, n),
+            [local.gather(m) for m in plan],
+            _pieces(old_logp, plan),
+            _pieces(token_stat, plan),
+            _pieces(ref_logp, plan),
             strict=True,
         )
     ]
     trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     outputs = _forward_backward(trainer, micro_inputs)
-    loss, metrics, hists = _reduce_outputs(outputs, prepared_metrics, last)
+    padded = float(sum(m.padded_tokens for m in plan))
+    loss, metrics, hists = _reduce_outputs(outputs, prepared_metrics, last, (padded, len(plan)))
+    padded_tokens, micro_count = metrics.pop("padded_tokens"), metrics.pop("micro_batches")
     finite = _grads_finite(trainer)
     grad_norm = float("nan")
     lr = float(trainer.optimizer.param_groups[0]["lr"])
@@ -342,12 +382,23 @@ def _update(trainer, local, micro, old_logp, policy_logp, ref_logp) -> StepResul
         metrics=metrics,
         histograms=hists,
         lr=lr,
+        padded_tokens=int(padded_tokens),
+        micro_batches=int(micro_count),
     )
 
 
-def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool):
+def _micro_batch_index(plan: list[MicroBatch], rows: int, dev) -> torch.Tensor:
+    """`[b]` the micro-batch of each row (the layout-dependent micro_batch scope)."""
+    index = torch.empty(rows, dtype=torch.long, device=dev)
+    for j, m in enumerate(plan):
+        index[m.rows] = j
+    return index
+
+
+def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool, shape: tuple):
     """Global loss and metrics, reduced over DP on the last stage, then sent to every stage
-    (rank 0 logs them, and it is the first stage when pp > 1)."""
+    (rank 0 logs them, and it is the first stage when pp > 1); `shape` = (padded tokens,
+    micro-batches) of this rank, summed into metrics "padded_tokens" and "micro_batches"."""
     values: dict[str, float] = {}
     hists: dict[str, list[float]] = {}
     if last:
@@ -359,18 +410,21 @@ def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool):
             [
                 sum(o["loss_sum"].double() for o in outputs),
                 sum(o["count"].double() for o in outputs),
+                *torch.tensor(shape, dtype=torch.float64, device=device()),
             ]
         )
         totals = sum_over(totals, dp_group)
         reduced = reduce_metrics(merged, group=dp_group)
         final, vectors = finalize(reduced), histograms(reduced)
         names, hist_names = sorted(final), sorted(vectors)
+        head = [totals[0] / totals[1].clamp(min=1), totals[2], totals[3]]
         stacked = torch.cat(
-            [torch.stack([totals[0] / totals[1].clamp(min=1)] + [final[n] for n in names])]
-            + [vectors[n] for n in hist_names]
+            [torch.stack(head + [final[n].double() for n in names])]
+            + [vectors[n].double() for n in hist_names]
         ).tolist()  # the one host sync
-        offset = len(names) + 1
-        values = dict(zip(["loss", *names], stacked[:offset], strict=True))
+        offset = len(names) + 3
+        keys = ["loss", "padded_tokens", "micro_batches", *names]
+        values = dict(zip(keys, stacked[:offset], strict=True))
         for n in hist_names:
             hists[n] = stacked[offset : offset + vectors[n].numel()]
             offset += vectors[n].numel()

@@ -284,3 +284,24 @@ def test_recompute_gives_the_same_step():
         got = layout("tp2-pp2-mb4", [f"train.recompute_granularity={granularity}"])
         assert got["loss"] == ref["loss"], granularity
         assert_same(got, ref, 1e-6, f"recompute {granularity}")
+
+
+# rows of at most 8 + 8 tokens, packed 40 tokens a micro-batch
+BUDGET = [
+    "train.max_tokens_per_micro_batch=40",
+    "data.max_prompt_tokens=8",
+    "rollout.max_tokens=8",
+    "rollout.max_model_len=32",
+]
+
+
+def test_token_budget_micro_batches_give_the_same_step():
+    """Packed micro-batches (sorted by length, each padded to its own longest row) change no
+    statistic or normaliser: the same losses, gradient norms and parameters as fixed-size
+    micro-batches, at TP1, TP2 x DP2 and PP2 x DP2, with fewer padded tokens."""
+    ref = layout("tp1-pp1-dp1-mb4")
+    for name in ("tp1-pp1-dp1-mb4", "tp2-dp2-mb1", "pp2-dp2-mb2"):
+        got = layout(name, BUDGET)
+        assert_same(got, ref, 1e-5, f"token budget {name}")
+        assert all(g < r for g, r in zip(got["padded_tokens"], ref["padded_tokens"], strict=True))
+    assert ref["padded_tokens"] == [16 * 16, 16 * 16]

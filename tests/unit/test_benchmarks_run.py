@@ -19,6 +19,7 @@ SMOKE = {
     "bench_weight_sync.py": ["--quick", "--repeats", "1"],
     "bench_e2e.py": ["--quick", "--prompts", "2", "--group", "2", "--tokens", "8"],
     "bench_vllm_compile.py": ["--quick"],
+    "bench_microbatch.py": ["--quick"],
 }
 
 
