@@ -34,17 +34,20 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MAX_PROMPT, MAX_RESPONSE = 256, 1792
-HIDDEN = dict(
-    hidden_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=256,
-    vocab_size=1024,
-    max_position_embeddings=MAX_PROMPT + MAX_RESPONSE,
-    tie_word_embeddings=False,
-    architectures=["Qwen2ForCausalLM"],
-)
+VOCAB = 1024
+
+
+def model_settings() -> dict:
+    """The layout check's tiny Qwen2, wider and with room for MATH-500's longest rows."""
+    from cwgrpo_megatron.megatron.layout_check import TINY_QWEN2
+
+    return {
+        **TINY_QWEN2,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_PROMPT + MAX_RESPONSE,
+    }
 
 
 def math500_lengths() -> list[tuple[int, int]]:
@@ -70,7 +73,7 @@ def batch(lengths, step: int, prompts: int, group: int):
     gen = torch.Generator().manual_seed(step)
 
     def ids(n: int) -> list[int]:
-        return torch.randint(1, HIDDEN["vocab_size"], (n,), generator=gen).tolist()
+        return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
 
     chosen = [rng.choice(lengths) for _ in range(prompts)]
     responses = [[ids(rng.choice(lengths)[1]) for _ in range(group)] for _ in chosen]
@@ -87,7 +90,7 @@ def source():
     from cwgrpo_megatron.convert.arch import ModelArch
 
     torch.manual_seed(0)
-    hf = Qwen2ForCausalLM(Qwen2Config(**HIDDEN))
+    hf = Qwen2ForCausalLM(Qwen2Config(**model_settings()))
     state = hf.state_dict()
     return ModelArch.from_hf_dict(hf.config.to_dict()), state.__getitem__
 
