@@ -6,23 +6,24 @@ vocabulary, L the layers of a stage, b x s the rows x length of one micro-batch,
 tokens, e the bytes of an activation element (params_dtype).
 
 **Trainer state** (`trainer_state`), exactly what Megatron-Core allocates (tested to the byte
-at TP1, TP2, PP2 and TP2 x DP2): the stage's parameters in params_dtype; DDP's fp32 gradient
-buffer; the optimizer's fp32 master copy (bf16 params only) and Adam's two fp32 moments plus a
-4-byte step counter per tensor. With the distributed optimizer DDP also holds the parameters in
-one buffer; the buffer pads every parameter's start to 64 elements and every bucket to a
-multiple of lcm(dp, 128), and each DP rank keeps the optimizer state of its 1/dp of each bucket.
-For bf16 + Adam this is Megatron-LM's 18 bytes/param, or 6 + 12/dp with the distributed
-optimizer.
+on every rank of DP4, TP2 x DP2, PP2 x DP2 and TP2 x PP2): the stage's parameters in
+params_dtype; DDP's fp32 gradient buffer; the optimizer's fp32 master copy (bf16 params only)
+and Adam's two fp32 moments plus a 4-byte step counter per tensor. With the distributed
+optimizer DDP also holds the parameters in one buffer; the buffer pads every parameter's start
+to 64 elements and every bucket to a multiple of lcm(dp, 128), and each DP rank keeps the
+optimizer state of its 1/dp of each bucket. For bf16 + Adam this is Megatron-LM's 18
+bytes/param, or 6 + 12/dp with the distributed optimizer.
 
 **Activations** (`activation_bytes`): the bytes saved for backward by one micro-batch, per
-layer and for the embedding / head, from the tensors each op keeps. "unfused" is Megatron's
-local layer spec (the CPU path: scores and probabilities of [b, a, s, s] are kept; GQA's keys and
-values are expanded to every head): it equals the sum of `saved_tensors_hooks` to the byte at
-recompute none and full. "flash" is the Transformer Engine spec on GPU (fused attention keeps
-q, k, v, the output and the log-sum-exp, no s^2 term); it is derived, not measured here.
-Recompute: selective keeps the inputs of core attention instead of its internals; full keeps
-each chunk's input hidden state [s, b, h] and rebuilds one chunk at a time in backward. 1F1B
-keeps min(pp - stage, micro-batches) micro-batches in flight on a stage.
+layer and for the embedding / head, from the tensors each op keeps. spec "local" is Megatron's
+local layer spec (the CPU path: scores and probabilities of [b, a, s, s] are kept; GQA's keys
+and values are expanded to every head); it equals the sum of `saved_tensors_hooks` to the byte
+at recompute none, selective and full (with the cw_grpo loss). spec "te" is the Transformer
+Engine spec on GPU (fused attention keeps q, k, v, the output and the log-sum-exp, no s^2
+term); it is derived, not measured here. Recompute: selective keeps the inputs of core
+attention instead of its internals; full keeps each chunk's input hidden state [s, b, h] and
+rebuilds one chunk at a time in backward. 1F1B keeps min(pp - stage, micro-batches)
+micro-batches in flight on a stage.
 
 **vLLM** (`vllm_bytes`), when colocated: vLLM reserves gpu_memory_utilization x capacity at
 start; its weights (HF count, engine dtype, / rollout TP) must fit in it, and what is left is KV

@@ -2,7 +2,9 @@
 
 Per rollout batch (identical on every rank), for each PPO mini-batch k:
 
-    1. this DP rank's shard of mini-batch k, cut into micro-batches
+    1. this DP rank's shard of mini-batch k, cut into micro-batches: blocks of
+       train.micro_batch_size rows, or rows packed by length up to a token budget (each padded
+       to its own longest row; the statistics below see the shard's [b, s] in row order)
     2. forward-only pass -> old log-probs l_old [b, s] (and entropy) on the last stage;
        for k > 0 a fresh pass of the current policy gives the statistics' log-probs
     3. scope statistics -> per-token constant (w~ for cw_grpo): at most 3 tiny all-reduces over
