@@ -44,7 +44,7 @@ def _worker(rank, world, name, tp, pp):
         ref_logp = ref_logp_all.gather(-1, target[..., None]).squeeze(-1)
         ref_entropy = -(ref_logp_all.exp() * ref_logp_all).sum(-1)
         unscaled_err = None
-        if hf.config.rope_scaling:  # the same weights with plain RoPE: the scaling must show
+        if name == "llama3-rope":  # the same weights with plain RoPE: the scaling must show
             twin = _unscaled_twin(hf)
             with torch.no_grad():
                 plain = twin(ids).logits.double()
