@@ -304,7 +304,8 @@ def activation_bytes(
     if stage == 0:
         saved += 8 * n  # token ids
     if stage == pp - 1:
-        saved += 2 * n * h * 4 + n * h * e + 4 * n  # final norm, as in a layer
+        # the final norm keeps what a layer's norm keeps (TE: its input and output, and rstd)
+        saved += (2 * n * h * e if spec == "te" else 2 * n * h * 4 + n * h * e) + 4 * n
         saved += n * vocab * e  # logits [b, s, V/tp], kept by the log-prob function
         saved += n * (8 + 1 + 4 + 4)  # target ids, in-shard mask, log-normaliser, entropy
         if loss:
