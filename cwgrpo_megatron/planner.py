@@ -47,7 +47,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
+from cwgrpo_megatron.convert.arch import ModelArch, divisors, padded_vocab_size
 
 GiB = 1 << 30
 RECOMPUTE = ("none", "selective", "full")
@@ -512,30 +512,15 @@ class Plan:
         }
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
     """The data-parallel size; ValueError naming valid values when the layout cannot work."""
     tp, pp = setting.tp, setting.pp
-    shared = math.gcd(math.gcd(arch.num_heads, arch.num_kv_heads), arch.ffn_hidden_size)
-    if tp < 1 or shared % tp:
-        raise ValueError(
-            f"tp={tp} does not divide num_attention_heads={arch.num_heads}, "
-            f"num_key_value_heads={arch.num_kv_heads} and intermediate_size="
-            f"{arch.ffn_hidden_size}; valid tp: " + ", ".join(map(str, _divisors(shared)))
-        )
-    if pp < 1 or arch.num_layers % pp:
-        raise ValueError(
-            f"pp={pp} does not divide num_hidden_layers={arch.num_layers}; valid pp: "
-            + ", ".join(map(str, _divisors(arch.num_layers)))
-        )
+    arch.check_layout(tp=tp, pp=pp)
     if cluster.world % (tp * pp):
         raise ValueError(
             f"tp x pp = {tp * pp} does not divide the {cluster.world} GPUs "
             f"({cluster.nodes} x {cluster.gpus_per_node}); valid tp x pp: "
-            + ", ".join(map(str, _divisors(cluster.world)))
+            + ", ".join(map(str, divisors(cluster.world)))
         )
     if tp > cluster.gpus_per_node:
         raise ValueError(

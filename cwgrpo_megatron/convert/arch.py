@@ -85,7 +85,9 @@ class ModelArch:
                         f"{source}: llama3 rope scaling with {key}={rope[key]} is not supported; "
                         f"Megatron-Core fixes {key}={value}"
                     )
-            scaling = float(need_rope(rope, "factor", source))
+            if "factor" not in rope:
+                raise ValueError(f"{source}: llama3 rope scaling has no 'factor'")
+            scaling = float(rope["factor"])
         elif rope_type not in ("default", None):
             raise ValueError(
                 f"{source}: rope type {rope_type!r} is not supported (default or llama3)"
@@ -155,9 +157,12 @@ class ModelArch:
         return asdict(self)
 
     def check_layout(self, *, tp: int, pp: int) -> None:
-        """Raise ValueError, naming the largest valid value, if tp / pp cannot split the model."""
+        """Raise ValueError, naming the largest valid value and listing the valid ones, if tp / pp
+        cannot split the model."""
         if tp < 1 or pp < 1:
             raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+        shared = math.gcd(math.gcd(self.num_heads, self.num_kv_heads), self.ffn_hidden_size)
+        valid_tp = f"; valid tp: {', '.join(map(str, divisors(shared)))}"
         for what, count in (
             ("num_attention_heads", self.num_heads),
             ("num_key_value_heads", self.num_kv_heads),
@@ -170,15 +175,18 @@ class ModelArch:
                 )
                 raise ValueError(
                     f"tp={tp} does not divide {what}={count}; the largest valid tp "
-                    f"at or below {tp} is {best}"
+                    f"at or below {tp} is {best}{valid_tp}"
                 )
         if self.ffn_hidden_size % tp:
-            raise ValueError(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
+            raise ValueError(
+                f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}{valid_tp}"
+            )
         if self.num_layers % pp:
             best = max(d for d in range(1, pp + 1) if self.num_layers % d == 0)
             raise ValueError(
                 f"pp={pp} does not divide num_hidden_layers={self.num_layers}; the largest "
-                f"valid pp at or below {pp} is {best}"
+                f"valid pp at or below {pp} is {best}; valid pp: "
+                + ", ".join(map(str, divisors(self.num_layers)))
             )
 
 
@@ -186,10 +194,8 @@ def recipe_names() -> list[str]:
     return sorted(p.stem for p in RECIPES.glob("*.json"))
 
 
-def need_rope(rope: dict[str, Any], key: str, source: str) -> Any:
-    if key not in rope:
-        raise ValueError(f"{source}: rope scaling has no {key!r}")
-    return rope[key]
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = 128) -> int:
