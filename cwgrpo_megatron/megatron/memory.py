@@ -66,28 +66,21 @@ def saved_activations(model) -> Iterator[dict[str, int]]:
 
 def micro_batch_saved_bytes(model, batch, cfg, arch) -> int:
     """Bytes saved for backward by one training micro-batch on this rank (pp = 1): the model's
-    forward, the vocabulary-parallel log-probs and the policy loss, as in the train step.
-    The loss's per-token constant (w~ of cw_grpo) is 1 and l_old = l: the bytes do not depend
-    on the values."""
-    from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
+    forward and the train step's loss (`train_step.micro_batch_loss`: vocabulary-parallel
+    log-probs and the policy loss). The loss's other inputs are stand-ins (l_old = l_ref = 0,
+    w~ = 1): the bytes do not depend on their values."""
     from cwgrpo_megatron.megatron.cpu import on_cpu
-    from cwgrpo_megatron.megatron.train_step import label_logprobs
+    from cwgrpo_megatron.megatron.train_step import MicroInputs, micro_batch_loss
 
+    zeros = torch.zeros_like(batch.loss_mask)
+    inputs = MicroInputs(
+        batch=batch,
+        old_logp=zeros,
+        token_stat=torch.ones_like(zeros),
+        ref_logp=zeros if cfg.algo.kl_beta > 0 else None,
+    )
     with on_cpu(), saved_activations(model) as counted:
         logits = model(batch.tokens, batch.position_ids, attention_mask=None)
-        logp, entropy = label_logprobs(logits, batch.labels, cfg, arch)
-        out = get_policy_loss(cfg.algo.policy_loss)(
-            PolicyBatch(
-                logp=logp,
-                old_logp=logp.detach(),
-                advantages=batch.advantages,
-                mask=batch.loss_mask,
-                token_stat=torch.ones_like(logp),
-                ref_logp=logp.detach() if cfg.algo.kl_beta > 0 else None,
-                entropy=entropy.detach(),
-                rollout_logp=None,
-            ),
-            cfg.algo,
-        )
+        out = micro_batch_loss(logits, inputs, cfg, arch)
         del out
     return counted["bytes"]

@@ -221,17 +221,21 @@ def _pieces(tensor: torch.Tensor | None, plan: list[MicroBatch]) -> list:
 
 
 @dataclass
-class _Micro:
+class MicroInputs:
+    """What one micro-batch's loss reads besides its logits: `[m, length]` pieces."""
+
     batch: TrainBatch
     old_logp: torch.Tensor | None
     token_stat: torch.Tensor | None
     ref_logp: torch.Tensor | None
 
 
-def _loss_func(micro: _Micro, trainer: Actor, output_tensor: torch.Tensor):
-    cfg, b = trainer.cfg, micro.batch
-    logp, entropy = label_logprobs(output_tensor, b.labels, cfg, trainer.arch)
-    out = get_policy_loss(cfg.algo.policy_loss)(
+def micro_batch_loss(output_tensor: torch.Tensor, micro: MicroInputs, cfg: Config, arch):
+    """The policy loss of one micro-batch from this rank's logits shard `[m, length, V/tp]`
+    (`algo.losses.LossOutput`)."""
+    b = micro.batch
+    logp, entropy = label_logprobs(output_tensor, b.labels, cfg, arch)
+    return get_policy_loss(cfg.algo.policy_loss)(
         PolicyBatch(
             logp=logp,
             old_logp=micro.old_logp,
@@ -244,12 +248,16 @@ def _loss_func(micro: _Micro, trainer: Actor, output_tensor: torch.Tensor):
         ),
         cfg.algo,
     )
+
+
+def _loss_func(micro: MicroInputs, trainer: Actor, output_tensor: torch.Tensor):
+    out = micro_batch_loss(output_tensor, micro, trainer.cfg, trainer.arch)
     # the schedule divides loss_sum in place: report copies
     report = {"loss_sum": out.loss_sum.detach().clone(), "count": out.num_tokens.detach().clone()}
     return out.loss_sum, out.num_tokens.to(torch.int), {**report, "metrics": out.metrics}
 
 
-def _forward_backward(trainer: Actor, micro: list[_Micro]) -> list[dict]:
+def _forward_backward(trainer: Actor, micro: list[MicroInputs]) -> list[dict]:
     def forward_step(data_iterator, model_chunk):
         m = next(data_iterator)
         output = model_chunk(m.batch.tokens, m.batch.position_ids, attention_mask=None)
@@ -351,7 +359,7 @@ def _update(trainer, local, plan, old_logp, policy_logp, ref_logp) -> StepResult
         )
         token_stat, prepared_metrics = prepared.token_stat, prepared.metrics
     micro_inputs = [
-        _Micro(*parts)
+        MicroInputs(*parts)
         for parts in zip(
             [local.gather(m) for m in plan],
             _pieces(old_logp, plan),
