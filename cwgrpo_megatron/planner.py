@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cwgrpo_megatron.convert.arch import ModelArch, divisors, padded_vocab_size
 
@@ -542,6 +543,15 @@ def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
     return dp
 
 
+class _Stage(NamedTuple):
+    stage: int
+    state: TrainerState
+    ref_model: int
+    activations: int
+    forward_working: int
+    phases: dict[str, int]
+
+
 def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
     """Bytes per GPU by phase for `setting` on `cluster`: each figure, and each phase's peak,
     on its most-loaded pipeline stage."""
@@ -563,7 +573,7 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
         dtype=setting.engine_dtype,
         sleep=setting.sleep,
     )
-    candidates = []
+    stages = []
     for stage in range(pp):
         state = trainer_state(
             arch,
@@ -600,47 +610,34 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
             recompute_num_layers=setting.recompute_num_layers,
             spec=setting.spec,
         )
-        in_flight = min(pp - stage, micro)
-        train_act = in_flight * act.saved + act.working
+        train_act = min(pp - stage, micro) * act.saved + act.working
         resident = state.total + ref + RESERVE
         phases = {
             "rollout": resident + vllm.reserved,
             "old_logp": resident + vllm.sleeping + act.forward_working,
             "train": resident + vllm.sleeping + train_act,
         }
-        candidate = Plan(
-            setting,
-            cluster,
-            dp,
-            micro,
-            stage,
-            state,
-            ref,
-            train_act,
-            act.forward_working,
-            vllm,
-            phases,
-        )
-        candidates.append(candidate)
+        stages.append(_Stage(stage, state, ref, train_act, act.forward_working, phases))
     # every figure is that of its own most-loaded stage (train: the first, by 1F1B's in-flight
     # micro-batches; rollout: the last, by the output layer)
-    worst = {name: max(candidates, key=lambda c: c.phases[name]) for name in candidates[0].phases}
-
-    def most(get):
-        return max(get(c) for c in candidates)
-
-    return dataclasses.replace(
-        max(candidates, key=lambda c: c.peak),
+    worst = {name: max(stages, key=lambda x: x.phases[name]) for name in stages[0].phases}
+    return Plan(
+        setting,
+        cluster,
+        dp,
+        micro,
+        stage=max(stages, key=lambda x: max(x.phases.values())).stage,
         state=TrainerState(
-            params=most(lambda c: c.state.params),
-            grads=most(lambda c: c.state.grads),
-            optimizer=most(lambda c: c.state.optimizer),
+            params=max(x.state.params for x in stages),
+            grads=max(x.state.grads for x in stages),
+            optimizer=max(x.state.optimizer for x in stages),
         ),
-        ref_model=most(lambda c: c.ref_model),
-        activations=most(lambda c: c.activations),
-        forward_working=most(lambda c: c.forward_working),
-        phases={name: c.phases[name] for name, c in worst.items()},
-        phase_stage={name: c.stage for name, c in worst.items()},
+        ref_model=max(x.ref_model for x in stages),
+        activations=max(x.activations for x in stages),
+        forward_working=max(x.forward_working for x in stages),
+        vllm=vllm,
+        phases={name: x.phases[name] for name, x in worst.items()},
+        phase_stage={name: x.stage for name, x in worst.items()},
     )
 
 
