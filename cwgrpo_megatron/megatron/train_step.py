@@ -372,8 +372,7 @@ def _update(trainer, local, plan, old_logp, policy_logp, ref_logp) -> StepResult
     trainer.optimizer.zero_grad()
     outputs = _forward_backward(trainer, micro_inputs)
     padded = float(sum(m.padded_tokens for m in plan))
-    loss, metrics, hists = _reduce_outputs(outputs, prepared_metrics, last, (padded, len(plan)))
-    padded_tokens, micro_count = metrics.pop("padded_tokens"), metrics.pop("micro_batches")
+    totals, metrics, hists = _reduce_outputs(outputs, prepared_metrics, last, (padded, len(plan)))
     finite = _grads_finite(trainer)
     grad_norm = float("nan")
     lr = float(trainer.optimizer.param_groups[0]["lr"])
@@ -386,14 +385,14 @@ def _update(trainer, local, plan, old_logp, policy_logp, ref_logp) -> StepResult
         log.warning("step %d skipped: non-finite gradient", trainer.step)
     trainer.step += 1
     return StepResult(
-        loss=loss,
+        loss=totals["loss"],
         grad_norm=float(grad_norm),
         skipped=not finite,
         metrics=metrics,
         histograms=hists,
         lr=lr,
-        padded_tokens=int(padded_tokens),
-        micro_batches=int(micro_count),
+        padded_tokens=int(totals["padded_tokens"]),
+        micro_batches=int(totals["micro_batches"]),
     )
 
 
@@ -407,8 +406,9 @@ def _micro_batch_index(plan: list[MicroBatch], rows: int, dev) -> torch.Tensor:
 
 def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool, shape: tuple):
     """Global loss and metrics, reduced over DP on the last stage, then sent to every stage
-    (rank 0 logs them, and it is the first stage when pp > 1); `shape` = (padded tokens,
-    micro-batches) of this rank, summed into metrics "padded_tokens" and "micro_batches"."""
+    (rank 0 logs them, and it is the first stage when pp > 1). `shape` = (padded tokens,
+    micro-batches) of this rank. Returns ({loss, padded_tokens, micro_batches}, the loss's
+    metrics, its histograms)."""
     values: dict[str, float] = {}
     hists: dict[str, list[float]] = {}
     if last:
@@ -442,8 +442,8 @@ def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool, shape: t
     values, hists = broadcast_object(
         (values, hists), parallel_state.get_pipeline_model_parallel_last_rank(), pp_group
     )
-    loss = values.pop("loss")
-    return loss, values, hists
+    totals = {k: values.pop(k) for k in ("loss", "padded_tokens", "micro_batches")}
+    return totals, values, hists
 
 
 def param_checksum(model) -> float:
