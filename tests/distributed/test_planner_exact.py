@@ -21,8 +21,11 @@ def _arch(name):
 
 
 def _measure_states(rank, world):
+    from megatron.core import parallel_state
+
     from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.megatron import parallel
+    from cwgrpo_megatron.megatron.cpu import on_cpu
     from cwgrpo_megatron.megatron.memory import trainer_state_bytes
     from cwgrpo_megatron.megatron.train_step import build_actor
     from cwgrpo_megatron.planner import trainer_state
@@ -32,8 +35,6 @@ def _measure_states(rank, world):
         parallel.initialize(tp=tp, pp=pp)
         layout = parallel.layout()
         dp_rank, _ = parallel.data_parallel()
-        from megatron.core import parallel_state
-
         stage = parallel_state.get_pipeline_model_parallel_rank()
         for name in MODELS:
             arch = _arch(name)
@@ -50,8 +51,6 @@ def _measure_states(rank, world):
                 actor = build_actor(cfg, arch, lambda model: None)
                 actor.model.zero_grad_buffer()
                 actor.optimizer.zero_grad()
-                from cwgrpo_megatron.megatron.cpu import on_cpu
-
                 with on_cpu():
                     actor.optimizer.step()  # Adam creates its moments on the first step
                 measured = trainer_state_bytes(actor.model, actor.optimizer)
