@@ -1,8 +1,8 @@
 """Build a run's parts from its config, in the order that fails cheapest first.
 
-    run folder (rank 0)  ->  tokenizer and prompts  ->  Megatron groups, model and optimizer
-      ->  rollout engine (rank 0)  ->  reward (one rank per replica)  ->  sync-check calibration
-      ->  resume from a checkpoint  ->  env.json, metrics sinks
+    engine replicas  ->  run folder (rank 0)  ->  tokenizer and prompts  ->  Megatron groups,
+      model and optimizer  ->  rollout engines and rewards (each replica's owner)  ->  weight
+      sync plan  ->  sync-check calibration  ->  resume from a checkpoint  ->  env.json, metrics
 
 Each phase that can fail on some ranks only runs under `fail_together`, so every rank raises
 the same error instead of waiting for a peer that is gone. What was started before a failure
@@ -21,7 +21,13 @@ import torch.distributed as dist
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.data.prompt_set import build_prompt_sets
 from cwgrpo_megatron.data.prompts import SYSTEM_PROMPT, PromptFormat, PromptSampler
-from cwgrpo_megatron.dist import all_gather_objects, all_gather_or_fail, fail_together, world_group
+from cwgrpo_megatron.dist import (
+    all_gather_objects,
+    all_gather_or_fail,
+    fail_together,
+    node_of_each_rank,
+    world_group,
+)
 from cwgrpo_megatron.eval.runner import load_benchmarks
 from cwgrpo_megatron.megatron import parallel, train_checkpoint
 from cwgrpo_megatron.megatron.conversion import (
@@ -30,10 +36,11 @@ from cwgrpo_megatron.megatron.conversion import (
     load_start_weights,
     start_arch,
 )
+from cwgrpo_megatron.megatron.model import DTYPES
 from cwgrpo_megatron.megatron.sync_check import SyncVerifier
 from cwgrpo_megatron.megatron.train_step import build_actor
-from cwgrpo_megatron.megatron.weight_sync import sync_weights
-from cwgrpo_megatron.rollout.distributed import DistributedRollout
+from cwgrpo_megatron.megatron.weight_sync import check_engine, sync_plan, sync_weights
+from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.run_dir import (
     RunDir,
     checkpoint_to_resume,
@@ -87,17 +94,33 @@ def _eval_benchmarks(cfg: Config, heldout) -> dict:
     return benchmarks
 
 
-def _reward_workers(cfg: Config) -> int:
-    """reward.workers = 0: this node's cores shared by the scoring ranks on it (one per
-    replica)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    scorers = max(1, local // (cfg.parallel.tp * cfg.parallel.pp))
-    return max(1, (os.cpu_count() or 1) // scorers)
+def _reward_workers(replicas: Replicas) -> int:
+    """reward.workers = 0: this node's cores shared by the scoring ranks on it (the owners of
+    its engine replicas)."""
+    node = replicas.nodes[dist.get_rank()]
+    return max(1, (os.cpu_count() or 1) // len(replicas.owners_on(node)))
 
 
 def build_trainer(cfg: Config) -> Trainer:
-    group, rank0 = world_group(), dist.get_rank() == 0
+    group, rank = world_group(), dist.get_rank()
+    rank0 = rank == 0
     cfg.check_world(dist.get_world_size())
+    # the same nodes on every rank: a bad rollout.replicas fails alike everywhere
+    replicas = Replicas.place(
+        node_of_each_rank(group), cfg.rollout.replicas, engine_tp=cfg.rollout.tp
+    )
+    if len(replicas.groups) > 1 and cfg.rollout.backend != "vllm":
+        raise ValueError(
+            f"rollout.backend={cfg.rollout.backend} has no shared weight buffer, which "
+            f"{len(replicas.groups)} engine replicas need: set rollout.replicas=1 or use vllm"
+        )
+    if rank0:
+        log.info(
+            "rollout: %d engine replicas (owners: ranks %s) on %d nodes",
+            len(replicas.owners),
+            ", ".join(map(str, replicas.owners)),
+            len(set(replicas.nodes)),
+        )
     with fail_together("preparing the run folder", group):
         run = prepare(cfg) if rank0 else RunDir(Path(cfg.run.out_dir).resolve())
     with fail_together("loading the tokenizer and the prompts", group):
@@ -107,6 +130,7 @@ def build_trainer(cfg: Config) -> Trainer:
         fmt = prompt_format(cfg.model)
         train_set, heldout, report = build_prompt_sets(cfg.data, tokenizer, fmt)
         benchmarks = _eval_benchmarks(cfg, heldout) if rank0 and cfg.eval.benchmarks else None
+    _same_model_everywhere(arch, cfg.model.path, group)
     if rank0:
         log.info(
             "prompts: %d train, %d held out (%d rows read, %d skipped, %d too long)",
@@ -132,11 +156,20 @@ def build_trainer(cfg: Config) -> Trainer:
             engine_dir = export_hf(
                 actor.model, arch, run.hf, side_files_from=path, dtype=cfg.train.params_dtype
             )
-        with fail_together("starting the rollout engine", group):
-            if rank0:
-                engine = cfg.engine(str(engine_dir))
-        if parallel.is_model_parallel_leader():
-            reward = cfg.reward.build(workers=_reward_workers(cfg))
+        replica = replicas.owned_by(rank)
+        with fail_together("starting the rollout engines", group):
+            if replica is not None:
+                engine = cfg.engine(str(engine_dir), devices=replicas.devices(replica))
+                check_engine(engine, arch)  # another model on any node fails before step 1
+        if replica is not None:
+            reward = cfg.reward.build(workers=_reward_workers(replicas))
+        plan = sync_plan(replicas)
+        if rank0:
+            received = plan.received_bytes(arch, DTYPES[cfg.engine_dtype])
+            log.info(
+                "weight sync: per sync each node receives from the others %s",
+                ", ".join(f"node {n}: {b / 2**20:.1f} MiB" for n, b in received.items()),
+            )
         verifier = None
         if cfg.run.verify_sync:
             verifier = SyncVerifier(min_tol=cfg.run.verify_sync_tol)
@@ -149,8 +182,8 @@ def build_trainer(cfg: Config) -> Trainer:
                 )
         state = LoopState(step=0, sampler=PromptSampler(len(train_set), seed=cfg.data.seed))
         saved_line = _resume(cfg, run, actor, state, group)
-        if state.step:  # the engine still holds the start checkpoint
-            sync_weights(actor.model, arch, engine, dtype=cfg.engine_dtype)
+        if state.step:  # the engines still hold the start checkpoint
+            sync_weights(actor.model, arch, engine, dtype=cfg.engine_dtype, plan=plan)
             if verifier is not None:
                 verifier.check(actor.model, arch, engine)
         hostnames = all_gather_objects(socket.gethostname(), group)
@@ -171,7 +204,8 @@ def build_trainer(cfg: Config) -> Trainer:
         actor=actor,
         arch=arch,
         engine=engine,
-        rollout=DistributedRollout(engine, owner=0, group=group),
+        replicas=replicas,
+        sync_plan=plan,
         reward=reward,
         tokenizer=tokenizer,
         prompt_format=fmt,
@@ -182,6 +216,19 @@ def build_trainer(cfg: Config) -> Trainer:
         tracker=tracker,
         verifier=verifier,
     )
+
+
+def _same_model_everywhere(arch, path: str, group) -> None:
+    """ValueError on every rank when model.path holds another model on some node (each node
+    reads its own copy, and each replica's engine starts from it)."""
+    archs = all_gather_objects(arch, group)
+    for member, other in enumerate(archs):
+        if archs[0].differences(other):
+            raise ValueError(
+                f"model.path={path} holds another model on rank {member} than on rank 0 "
+                f"({'; '.join(archs[0].differences(other))}): every node must hold the same "
+                "checkpoint"
+            )
 
 
 def _resume(cfg: Config, run: RunDir, actor, state: LoopState, group) -> dict | None:

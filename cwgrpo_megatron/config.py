@@ -7,6 +7,7 @@ and what is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import types
@@ -372,6 +373,15 @@ class RolloutConfig:
     shm_dir: str = "/dev/shm"
     """Where the vLLM engine's weight-sync buffer lives: a tmpfs with room for one copy of the
     model in the engine dtype, kept while the engine runs."""
+    replicas: int | str = "per_node"
+    """Engine replicas: per_node (one engine on each node, as torchrun counts nodes), or how
+    many in the whole job: a multiple of the node count (each node's ranks are split evenly
+    into groups of consecutive ranks; a group's first rank owns its engine), or fewer than the
+    nodes (one on each of the first ones; 1: one engine, on rank 0). Each replica generates
+    its share of a step's prompts and scores it (`rollout.replicas`)."""
+    tp: int = 1
+    """The engine's tensor-parallel size: on GPU it runs on the first `tp` devices of its
+    replica's ranks, so a replica must span at least `tp` ranks."""
 
     def __post_init__(self) -> None:
         from cwgrpo_megatron.rollout import ROLLOUT_BACKENDS
@@ -384,8 +394,14 @@ class RolloutConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         _check_range("rollout.top_k", self.top_k, low=0)
-        for key in ("max_tokens", "kv_cache_mb"):
+        for key in ("max_tokens", "kv_cache_mb", "tp"):
             _check_range(f"rollout.{key}", getattr(self, key), low=1)
+        if self.replicas != "per_node" and not (
+            isinstance(self.replicas, int) and self.replicas >= 1
+        ):
+            raise ValueError(
+                f"rollout.replicas={self.replicas!r} must be per_node or a positive integer"
+            )
         _check_range(
             "rollout.gpu_memory_utilization", self.gpu_memory_utilization, low=0.01, high=1.0
         )
@@ -638,8 +654,9 @@ class Config:
             seed=seed,
         )
 
-    def engine(self, model_dir: str):
-        """Start this config's rollout engine on `model_dir` (an HF checkpoint folder)."""
+    def engine(self, model_dir: str, *, devices: Sequence[int] | None = None):
+        """Start this config's rollout engine on `model_dir` (an HF checkpoint folder), on the
+        GPUs `devices` of this node (vllm; None: vLLM's choice)."""
         from cwgrpo_megatron.rollout import get_engine
 
         r = self.rollout
@@ -660,6 +677,8 @@ class Config:
             enable_sleep_mode=r.enable_sleep_mode,
             enforce_eager=r.enforce_eager,
             shm_dir=r.shm_dir,
+            tensor_parallel_size=r.tp,
+            devices=devices,
         )
 
     def check_world(self, world_size: int) -> int:
@@ -768,7 +787,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
-        (hint,) = [t for t in options if t is not type(None)]
+        choices = [t for t in options if t is not type(None)]
+        for choice in choices[:-1]:  # the first type the value fits, in the hint's order
+            with contextlib.suppress(ValueError):
+                return _coerce(key, value, choice)
+        hint = choices[-1]
     if typing.get_origin(hint) is list:
         if not isinstance(value, list):
             raise ValueError(f"{key}={value!r} must be a list such as [a, b]")

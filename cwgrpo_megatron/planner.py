@@ -29,9 +29,10 @@ micro-batches in flight on a stage.
 start; its weights (HF count, engine dtype, / rollout TP) must fit in it, and what is left is KV
 cache (2 L kv_heads head_dim bytes per token, / rollout TP). A KV cache smaller than the engine's
 sequences at max_model_len does not fail: vLLM runs fewer at once (`VllmShare.concurrency`).
-Sleep mode (level 1) gives back all but SLEEP_RESIDUAL during old-logp and train. Today's trainer
-runs one engine at TP1 on global rank 0 (`Setting.rollout_tp` None); rollout_tp = N plans one
-engine per N GPUs.
+Sleep mode (level 1) gives back all but SLEEP_RESIDUAL during old-logp and train. By default
+(`Setting.rollout_tp` None) one engine at TP1 generates the whole batch (rollout.replicas=1; with
+per-node replicas an engine GPU holds the same bytes and its share of the sequences);
+rollout_tp = N plans one engine per N GPUs (rollout.tp=N, rollout.replicas = GPUs / N).
 
 **Phases**: rollout = state + reference + vLLM's reservation; old_logp = state + reference +
 vLLM residual + one forward's working set; train = state + reference + vLLM residual +
@@ -410,9 +411,9 @@ class Setting:
     recompute_num_layers: int = 1
     spec: str = "te"
     rollout_tp: int | None = None
-    """None: today's trainer, one vLLM engine (tensor-parallel size 1) on global rank 0 that
-    generates the whole rollout batch. N: one engine per N GPUs, each generating its share
-    (the per-node replicas of rollout.tp, still to be built)."""
+    """None: one vLLM engine (tensor-parallel size 1) that generates the whole rollout batch.
+    N: one engine per N GPUs, each generating its share (rollout.tp = N, rollout.replicas =
+    GPUs / N)."""
     max_model_len: int = 4096
     utilization: float = 0.5
     sleep: bool = True
@@ -449,6 +450,7 @@ class Setting:
             utilization=r.gpu_memory_utilization,
             sleep=r.enable_sleep_mode,
             engine_dtype=cfg.engine_dtype,
+            rollout_tp=r.tp if r.tp > 1 else None,
         )
         values.update(changes)
         return cls(**values)

@@ -53,13 +53,13 @@ def setup_logging(rank: int) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Failures reported by their message alone: bad input, a peer's failure, a failed sync
-    check, a rollout that failed on the engine's rank, a reward function that raised."""
+    check, a rollout engine whose processes died, a reward function that raised."""
     from cwgrpo_megatron.dist import PeerFailure
     from cwgrpo_megatron.megatron.sync_check import SyncMismatchError
     from cwgrpo_megatron.reward import RewardError
-    from cwgrpo_megatron.rollout.distributed import RemoteRolloutError
+    from cwgrpo_megatron.rollout.base import EngineDeadError
 
-    return (ValueError, PeerFailure, SyncMismatchError, RemoteRolloutError, RewardError)
+    return (ValueError, PeerFailure, SyncMismatchError, EngineDeadError, RewardError)
 
 
 def run(argv=None, *, default_config: str | None = None) -> int:
@@ -76,23 +76,41 @@ def run(argv=None, *, default_config: str | None = None) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     setup_logging(rank)
     log = logging.getLogger("cwgrpo_megatron.train")
+    trainer = None
     try:
         trainer = build_trainer(load_config(args.config, args.overrides))
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
-        log.info("done: %s", trainer.run.root)
-        for line in trainer.summary():
-            print(line, flush=True)
-        return 0
+        trainer.fit()
     except Exception as err:
-        # what a user can act on is its message; anything else (a bug) keeps its traceback
-        if isinstance(err, user_errors()):
-            print(f"[rank {rank}] error: {err}", file=sys.stderr, flush=True)
-        else:
-            log.exception("training failed")
+        # said before closing (stopping an engine takes seconds): once one rank of a node
+        # exits, torchrun stops the others there, and each should have said why
+        _report(err, rank, log)
+        if trainer is not None:
+            _close(trainer, rank, log)
         return 1
+    if not _close(trainer, rank, log):
+        return 1
+    log.info("done: %s", trainer.run.root)
+    for line in trainer.summary():
+        print(line, flush=True)
+    return 0
+
+
+def _report(err: Exception, rank: int, log: logging.Logger) -> None:
+    """What a user can act on is its message; anything else (a bug) keeps its traceback."""
+    if isinstance(err, user_errors()):
+        print(f"[rank {rank}] error: {err}", file=sys.stderr, flush=True)
+    else:
+        log.exception("training failed")
+
+
+def _close(trainer, rank: int, log: logging.Logger) -> bool:
+    """`trainer.close()`; False (with the error reported) when it failed."""
+    try:
+        trainer.close()
+    except Exception as err:
+        _report(err, rank, log)
+        return False
+    return True
 
 
 def main(argv=None, *, default_config: str | None = None) -> int:

@@ -3,16 +3,17 @@
 Step k (1-based), on every rank of the job:
 
     1. prompts     the sampler draws the step's P prompts (the same on every rank); each
-                   data-parallel replica takes its own whole prompt groups (`shard_prompts`)
-    2. rollouts    G completions per prompt from the engine on rank 0; prompt j of step k is
-                   sampled with `rollout_seed(train.seed, k, j)`, whatever the layout or history
-    3. rewards     one rank per replica (tp rank 0, first stage) scores its own groups, so each
-                   completion is scored once in the whole job; one all-gather then gives every
-                   rank the whole step
+                   engine replica's owner takes its share (`rollout.replicas.Replicas.share`)
+    2. rollouts    G completions per prompt from the owner's engine; prompt j of step k is
+                   sampled with `rollout_seed(train.seed, k, j)`, whatever the layout, the
+                   number of replicas or the history
+    3. rewards     each owner scores its own groups in its worker pool, so each completion is
+                   scored once in the whole job; one all-gather then gives every rank the step
     4. advantages  per group, and the TrainBatch (identical on every rank)
     5-9.           `train_step`: micro-batches, forward-only pass, scope statistics, 1F1B
                    training pass, optimizer step, metrics reduced once
-    10. sync       the weights go into the engine; every run.verify_sync steps it is checked
+    10. sync       the weights go into every replica's engine; every run.verify_sync steps
+                   each engine is checked
     then the metrics line, evaluation and checkpoint, each when due.
 """
 
@@ -22,10 +23,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from cwgrpo_megatron.algo.advantages import get_advantage_estimator
 from cwgrpo_megatron.config import Config
-from cwgrpo_megatron.data.batching import batch_from_rollouts, shard_prompts
+from cwgrpo_megatron.data.batching import batch_from_rollouts
 from cwgrpo_megatron.data.prompts import PromptSampler
 from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, world_group
 from cwgrpo_megatron.eval.runner import evaluate, write_json
@@ -54,9 +56,10 @@ if TYPE_CHECKING:
     from cwgrpo_megatron.megatron.train_step import Actor
     from cwgrpo_megatron.reward import WeightedReward
     from cwgrpo_megatron.rollout.base import RolloutEngine
-    from cwgrpo_megatron.rollout.distributed import DistributedRollout
+    from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.run_dir import RunDir
     from cwgrpo_megatron.tracking import Tracker
+    from cwgrpo_megatron.weight_sync.plan import SyncPlan
 
 
 @dataclass
@@ -78,7 +81,7 @@ class LoopState:
 
 class StepPrompts(NamedTuple):
     """This rank's share of a step's prompts: positions in the step, problems, prompt token ids
-    and sampling seeds (all empty on ranks that do not lead a replica)."""
+    and sampling seeds (all empty on ranks that own no engine)."""
 
     positions: list[int]
     problems: list[Problem]
@@ -89,14 +92,15 @@ class StepPrompts(NamedTuple):
 @dataclass(kw_only=True)
 class Trainer:
     """The parts of a run (built by `build.build_trainer`); rank-specific ones are None where a
-    rank has no use for them: the engine lives on rank 0, the reward on each replica's leader,
-    the evaluation benchmarks on rank 0."""
+    rank has no use for them: an engine and a reward on each replica's owner, the evaluation
+    benchmarks on rank 0 (which owns the first replica)."""
 
     cfg: Config
     actor: Actor
     arch: ModelArch
     engine: RolloutEngine | None
-    rollout: DistributedRollout
+    replicas: Replicas
+    sync_plan: SyncPlan
     reward: WeightedReward | None
     tokenizer: object
     prompt_format: PromptFormat
@@ -121,9 +125,7 @@ class Trainer:
         with timer("step"):
             prompts = self.draw_prompts(step)
             with timer("rollout"):
-                groups = self.rollout.generate(
-                    prompts.token_ids, cfg.train.group_size, cfg.sampling(), seeds=prompts.seeds
-                )
+                groups = self.generate(prompts)
             with timer("reward"):
                 scored = self.score(prompts, groups)
             batch = batch_from_rollouts(
@@ -168,19 +170,14 @@ class Trainer:
     # ---- the phases ----------------------------------------------------------------------
 
     def draw_prompts(self, step: int) -> StepPrompts:
-        """This replica's prompt groups of the step (every rank advances the sampler alike);
-        the replica's leader sends them to the engine, its model-parallel peers send none."""
+        """The step's prompts that this rank's engine samples (every rank advances the sampler
+        alike); none on ranks without an engine."""
         t = self.cfg.train
         indices = self.state.sampler.next_indices(t.prompts_per_step)
-        dp_rank, dp_size = parallel.data_parallel()
+        replica = self.replicas.owned_by(dist.get_rank())
         positions = []
-        if parallel.is_model_parallel_leader():
-            positions = shard_prompts(
-                t.prompts_per_step,
-                mini_batches=t.ppo_mini_batches,
-                dp_rank=dp_rank,
-                dp_size=dp_size,
-            )
+        if replica is not None:
+            positions = list(self.replicas.share(replica, t.prompts_per_step))
         return StepPrompts(
             positions=positions,
             problems=[self.train_set.problems[indices[j]] for j in positions],
@@ -188,8 +185,18 @@ class Trainer:
             seeds=[rollout_seed(t.seed, step, j, t.group_size) for j in positions],
         )
 
+    def generate(self, prompts: StepPrompts) -> list:
+        """G completions of each of this rank's prompts from its engine; every rank learns of
+        a failure on any replica (one all_gather_object of a status), so none waits for a
+        replica whose engine is gone."""
+        with fail_together("generating the rollouts", world_group()):
+            if not prompts.positions:
+                return []
+            n, sampling = self.cfg.train.group_size, self.cfg.sampling()
+            return self.engine.generate(prompts.token_ids, n, sampling, seeds=prompts.seeds)
+
     def score(self, prompts: StepPrompts, groups) -> list:
-        """Each leader scores its groups; one all-gather assembles the step's `ScoredGroup`s on
+        """Each owner scores its groups; one all-gather assembles the step's `ScoredGroup`s on
         every rank, in prompt order."""
 
         def mine():
@@ -207,20 +214,25 @@ class Trainer:
         return sorted((g for piece in pieces for g in piece), key=lambda g: g.position)
 
     def sync(self, step: int) -> dict[str, float]:
-        """Weights into the engine; when the check is due, its gap and tolerance."""
-        sync_weights(self.actor.model, self.arch, self.engine, dtype=self.cfg.engine_dtype)
+        """Weights into every engine: the most MiB a node received from the others; when the
+        check is due, the worst engine's gap and the tolerance."""
+        done = sync_weights(
+            self.actor.model, self.arch, self.engine, dtype=self.cfg.engine_dtype,
+            plan=self.sync_plan,
+        )  # fmt: skip
+        metrics = {"sync/received_mb": max(done.received.values()) / 2**20}
         every = self.cfg.run.verify_sync
         if not every or step % every:
-            return {}
+            return metrics
         gap, tol = self.verifier.check(self.actor.model, self.arch, self.engine), self.verifier.tol
-        return {"sync/gap": gap.max, "sync/tol": tol.max, "sync/gap_mean": gap.mean,
+        return {**metrics, "sync/gap": gap.max, "sync/tol": tol.max, "sync/gap_mean": gap.mean,
                 "sync/tol_mean": tol.mean}  # fmt: skip
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Benchmarks through the engine on rank 0 (the other ranks wait for its verdict)."""
+        """Benchmarks through rank 0's engine (the other ranks wait for its verdict)."""
         e, metrics = self.cfg.eval, {}
         with fail_together("evaluation", world_group()):
-            if self.engine is not None:
+            if self.benchmarks is not None:
                 sampling = SamplingConfig(
                     temperature=e.temperature,
                     top_p=e.top_p,

@@ -59,7 +59,7 @@ def report(arch: ModelArch, p: planner.Plan) -> str:
             "vLLM reservation",
             v.reserved,
             f"weights {v.weights / planner.GiB:.2f} at rollout tp={s.engine_tp}"
-            + ("" if s.rollout_tp else " (one engine, rank 0)")
+            + ("" if s.rollout_tp else " (one engine for the whole batch)")
             + f"; KV cache "
             f"{v.kv_needed / planner.GiB:.2f} needed, {v.kv_available / planner.GiB:.2f} there "
             f"({v.concurrency:.0%} of its sequences at once)",
@@ -114,8 +114,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-gib", type=float, default=80.0)
     parser.add_argument("--rollout-tp", type=int, default=None,
-                        help="plan one vLLM engine per N GPUs at tp N (rollout replicas, still "
-                        "to be built); default: today's one engine at tp 1 on rank 0")  # fmt: skip
+                        help="plan one vLLM engine per N GPUs at tp N (rollout.tp=N, "
+                        "rollout.replicas=GPUs/N); default: the config's rollout.tp")  # fmt: skip
     parser.add_argument("--spec", choices=planner.SPECS, default="te",
                         help="te: Transformer Engine on GPU (default); local: Megatron's local "
                         "spec, as on CPU")  # fmt: skip
@@ -136,9 +136,10 @@ def main(argv=None) -> int:
         cluster = planner.Cluster(
             nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_gib=args.gpu_gib
         )
-        setting = planner.Setting.from_config(
-            cfg, rollout_tp=args.rollout_tp, spec=args.spec, colocated=not args.not_colocated
-        )
+        changes = dict(spec=args.spec, colocated=not args.not_colocated)
+        if args.rollout_tp is not None:  # else the config's rollout.tp
+            changes["rollout_tp"] = args.rollout_tp
+        setting = planner.Setting.from_config(cfg, **changes)
         if args.search:
             found = planner.search(arch, setting, cluster)
             if args.json:

@@ -134,22 +134,6 @@ def pack_rows(lengths: Tensor, max_tokens: int) -> list[MicroBatch]:
     return out
 
 
-def shard_prompts(num_prompts: int, *, mini_batches: int, dp_rank: int, dp_size: int) -> list[int]:
-    """Positions, in the step's prompt order, of the prompt groups that data-parallel rank
-    `dp_rank` trains on: its block of each mini-batch, exactly the groups that
-    `split(mini_batches)[k].shard(dp_rank, dp_size)` gives it. Whole groups, never shared."""
-    if num_prompts % (mini_batches * dp_size):
-        raise ValueError(
-            f"{num_prompts} prompts do not split into {mini_batches} mini-batches x "
-            f"{dp_size} data-parallel ranks"
-        )
-    per_mini = num_prompts // mini_batches
-    per_rank = per_mini // dp_size
-    return [
-        k * per_mini + dp_rank * per_rank + j for k in range(mini_batches) for j in range(per_rank)
-    ]
-
-
 def build_train_batch(
     *,
     prompts: Sequence[Sequence[int]],

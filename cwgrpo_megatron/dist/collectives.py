@@ -5,6 +5,9 @@ same code runs in one process and under torchrun. Every helper returns its resul
 modifies its argument in place, except `broadcast_into`, which fills a receive buffer.
 """
 
+import os
+import socket
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -90,15 +93,6 @@ def all_gather(t: Tensor, group: Group) -> list[Tensor]:
     return parts
 
 
-def gather_objects(obj, dst: int, group: Group) -> list | None:
-    """Every rank's picklable `obj`, in group-rank order, on global rank `dst`; None elsewhere."""
-    if group is None or size_of(group) == 1:
-        return [obj]
-    out = [None] * size_of(group) if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
-    return out
-
-
 def all_gather_objects(obj, group: Group) -> list:
     """Every rank's picklable `obj`, in group-rank order, on every rank of `group`."""
     if group is None or size_of(group) == 1:
@@ -108,11 +102,19 @@ def all_gather_objects(obj, group: Group) -> list:
     return out
 
 
-def scatter_objects(objs: list | None, src: int, group: Group):
-    """Member i of `group` receives `objs[i]`, which only global rank `src` needs to hold."""
-    if group is None or size_of(group) == 1:
-        assert objs is not None and len(objs) == 1
-        return objs[0]
-    out = [None]
-    dist.scatter_object_list(out, objs if dist.get_rank() == src else None, src=src, group=group)
-    return out[0]
+def node_of_each_rank(group: Group) -> list[str]:
+    """The node of every rank of `group`, in group-rank order: torchrun's node rank
+    (`GROUP_RANK`: one launch is one node, even beside another on the same machine), else the
+    host name. One all_gather_object."""
+    here = os.environ.get("GROUP_RANK")
+    return all_gather_objects(socket.gethostname() if here is None else f"node {here}", group)
+
+
+def exchange(sends: list[tuple[Tensor, int, int]], recvs: list[tuple[Tensor, int, int]]) -> None:
+    """Point to point over the default group: each (tensor, global rank, tag) of `sends` goes to
+    that rank, each of `recvs` is filled from that rank's send with the same tag; returns when
+    all are done. Nothing to do (both lists empty) costs nothing."""
+    ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in recvs]
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()

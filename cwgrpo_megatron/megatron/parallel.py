@@ -44,12 +44,3 @@ def layout() -> dict[str, int]:
 def data_parallel() -> tuple[int, int]:
     """(rank, size) of this rank in its data-parallel group."""
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-
-
-def is_model_parallel_leader() -> bool:
-    """The first rank (tp rank 0, first pipeline stage) of this data-parallel replica's
-    model-parallel group: one rank per replica, e.g. to score its prompt groups once."""
-    return (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_pipeline_model_parallel_rank() == 0
-    )

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 
 from cwgrpo_megatron.data.batching import synthetic_batch
-from cwgrpo_megatron.dist import broadcast_from, broadcast_object
+from cwgrpo_megatron.dist import (
+    all_gather,
+    broadcast_from,
+    broadcast_object,
+    global_rank,
+    world_group,
+)
 from cwgrpo_megatron.dist.collectives import barrier
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
@@ -100,25 +106,37 @@ class SyncMismatchError(RuntimeError):
 @dataclass(frozen=True)
 class Gap:
     """|engine - trainer| log p(x_t | x_<t) over the tokens of the fixed sequences: the worst
-    token and the mean. Engine numerics put a few tokens far above the mean; a sync error
-    (a stale or misplaced tensor) moves every token."""
+    token and the mean, of the worst engine (each the largest over the replicas). Engine
+    numerics put a few tokens far above the mean; a sync error (a stale or misplaced tensor)
+    moves every token."""
 
     max: float
     mean: float
+    rank: int = ENGINE_RANK
+    """The owner of the engine with the largest worst-token gap."""
 
 
 def sync_gap(model, arch, engine, *, batch: int = 4, seq_len: int = 32, seed: int = 0) -> Gap:
-    """The gap on fixed random sequences (a function of the seed and the vocabulary only), on
-    every rank: broadcast from rank 0 over the world."""
+    """The gap on fixed random sequences (a function of the seed and the vocabulary only) of
+    every replica's engine (`engine` on its owner, None elsewhere), on every rank: the
+    trainer's log-probs are broadcast from rank 0 over the world, each owner compares its
+    engine's, and one all-gather of the (max, mean) pairs gives every rank the worst."""
     tokens = fixed_sequences(arch.vocab_size, batch=batch, seq_len=seq_len, seed=seed)
-    pair = both_logprobs(model, arch, engine, tokens)
-    both = torch.zeros(2)
-    if pair is not None:
-        delta = (pair[0] - pair[1]).abs()
-        both = torch.stack([delta.max(), delta.mean()]).float()
+    ours = score(model, arch, tokens)
     device = next(unwrap(model).parameters()).device
-    worst, mean = broadcast_from(both.to(device), ENGINE_RANK, dist.group.WORLD).tolist()
-    return Gap(max=worst, mean=mean)
+    world = world_group()
+    if ours is None:
+        ours = torch.zeros(batch, seq_len - 1)
+    ours = broadcast_from(ours.to(device), ENGINE_RANK, world).cpu()
+    both = torch.zeros(2)
+    if engine is not None:
+        delta = (torch.tensor(engine.prompt_logprobs(tokens.tolist())) - ours).abs()
+        both = torch.stack([delta.max(), delta.mean()]).float()
+    pairs = torch.stack(all_gather(both.to(device), world)).cpu()
+    worst = int(pairs[:, 0].argmax())
+    return Gap(
+        max=float(pairs[worst, 0]), mean=float(pairs[:, 1].max()), rank=global_rank(world, worst)
+    )
 
 
 def verify_sync(
@@ -136,8 +154,9 @@ def verify_sync(
     else:
         return gap
     raise SyncMismatchError(
-        f"after the weight sync the engine's log-probs differ from the trainer's {what}: the "
-        "engine samples from other weights than the trainer's (check the engine dtype against "
+        f"after the weight sync the log-probs of the engine on rank {gap.rank} differ from the "
+        f"trainer's {what}: the engine samples from other weights than the trainer's (check "
+        "the engine dtype against "
         "train.params_dtype, and run tools/check_weight_sync.py on this layout)"
     )
 

@@ -1,9 +1,11 @@
-"""Weight sync from the Megatron model into the rollout engine, and the log-prob check.
+"""Weight sync from the Megatron model into the rollout engines, and the log-prob check.
 
-One engine, on global rank 0 (`ENGINE_RANK`). Per sync, the model-parallel group of data-parallel
-rank 0 (the ranks that hold rank 0's copy of the model) takes part (`sync_weights`: shards
-written into the engine's shared-memory buffer, or the streamed export); other data-parallel
-replicas do nothing.
+One engine per replica (`rollout.replicas.Replicas`), owned by the first rank of its group;
+with one replica that is global rank 0 (`ENGINE_RANK`). Per sync, every engine gets the whole
+model: the ranks of its node write their shards into its shared-memory buffer, and shards that
+no rank of the node holds (pipeline stages or TP ranks on other nodes) cross the network once
+per node (`weight_sync.plan.SyncPlan`). An engine without a buffer (the torch backend, or vLLM
+in-process on a GPU) takes the streamed export instead, which supports one replica.
 """
 
 from __future__ import annotations
@@ -17,12 +19,23 @@ from megatron.core import parallel_state
 
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import hf_shapes
-from cwgrpo_megatron.dist import broadcast_from, vocab_parallel_logprob_entropy
-from cwgrpo_megatron.dist.collectives import barrier, broadcast_object, max_over
+from cwgrpo_megatron.dist import (
+    all_gather_objects,
+    all_gather_or_fail,
+    broadcast_from,
+    exchange,
+    fail_together,
+    size_of,
+    vocab_parallel_logprob_entropy,
+    world_group,
+)
+from cwgrpo_megatron.dist.collectives import barrier
 from cwgrpo_megatron.megatron.forward import forward_logits
 from cwgrpo_megatron.megatron.model import DTYPES, use_transformer_engine
+from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.weight_sync.export import ExportGroups, hf_tensors
-from cwgrpo_megatron.weight_sync.shm import SharedWeights, write_shards
+from cwgrpo_megatron.weight_sync.plan import Place, SyncPlan, sent_items, shard_shape
+from cwgrpo_megatron.weight_sync.shm import SharedWeights, write_shard, write_shards
 
 ENGINE_RANK = 0
 
@@ -61,77 +74,203 @@ def in_engine_group() -> bool:
 @dataclass(frozen=True)
 class SyncResult:
     version: int | None
-    """The engine's policy version after the sync, on rank 0; None elsewhere."""
+    """This rank's engine's policy version after the sync; None on ranks without an engine."""
     path: str
-    """How the weights went: "shared" (shards written into the engine's buffer), "stream"
-    (the export's collectives), or "idle" (a rank outside data-parallel rank 0's group)."""
+    """How the weights went: "shared" (shards written into the engines' buffers, and sent
+    across nodes where a node lacks them) or "stream" (the export's collectives, one engine)."""
+    received: dict[int, int]
+    """Bytes each node with an engine received from other nodes in this sync, measured."""
 
 
-def sync_weights(model, arch: ModelArch, engine, *, dtype: str) -> SyncResult:
-    """Push the model into `engine` (held by rank 0 only; None elsewhere). Every rank calls this.
-
-    Over the model-parallel group of data-parallel rank 0, one of two paths:
-
-    - the engine offers a shared-memory buffer (vLLM, but for an in-process engine on a GPU) and
-      every rank of the group sees it (same node): each rank writes its own shards into it
-      (`weight_sync.shm`), a barrier, rank 0's engine loads it. Nothing crosses the network.
-    - otherwise the export streams full tensors to rank 0 (PP broadcast, TP all-gather).
-
-    Control traffic: one object broadcast (rank 0's verdict on the engine and its buffer), a
-    barrier, and a 1-element max over the group the first time a buffer is offered.
-    """
-    if (engine is not None) != (dist.get_rank() == ENGINE_RANK):
-        raise ValueError(f"exactly global rank {ENGINE_RANK} must hold the rollout engine")
-    if not in_engine_group():
-        return SyncResult(version=None, path="idle")
-    group = parallel_state.get_model_parallel_group()
-    # every peer must learn that rank 0 refuses, or they would wait in the export's collectives
-    refusal, buffer = broadcast_object(_offer(engine, arch, dtype), ENGINE_RANK, group)
-    if refusal is not None:
-        raise ValueError(refusal)
-    if buffer is not None and _all_see(buffer, group):
-        write_shards(buffer, dict(unwrap(model).named_parameters()), arch, **_ranks())
-        barrier(group)  # every shard is in before the engine reads
-        if engine is not None:
-            engine.load_shared_weights()
-        path = "shared"
-    else:
-        stream = hf_weights(model, arch, dtype=dtype)
-        if engine is None:
-            for _ in stream:  # the collectives need every peer; the tensors are not needed here
-                pass
-        else:
-            engine.update_weights(stream)
-        path = "stream"
-    return SyncResult(version=None if engine is None else engine.version, path=path)
+TRANSFER_BUCKET_BYTES = 256 << 20
+"""Shards in flight at once between nodes: bounds the copies a sender casts to the engine dtype
+and the tensors a receiver holds before writing them."""
 
 
-def _offer(engine, arch: ModelArch, dtype: str) -> tuple[str | None, SharedWeights | None]:
-    """Rank 0's verdict: why the sync cannot happen (None: it can), and the engine's buffer."""
-    if engine is None:
-        return None, None
+def sync_plan(replicas: Replicas) -> SyncPlan:
+    """The sync plan of this job's layout; one all_gather_object of every rank's shard."""
+    here = Place(
+        stage=parallel_state.get_pipeline_model_parallel_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+    )
+    return SyncPlan.build(replicas, all_gather_objects(here, world_group()))
+
+
+def check_engine(engine, arch: ModelArch) -> None:
+    """ValueError when `engine` holds another model than the trainer's `arch`."""
     if engine.shapes != hf_shapes(arch):
-        return (
-            "the rollout engine's checkpoint has other tensor names or shapes than the trainer's "
-            "model: start the engine from the checkpoint the trainer was built from"
-        ), None
+        raise ValueError(
+            f"the rollout engine started from {engine.model_dir} has other tensor names or "
+            "shapes than the trainer's model: start every engine from the checkpoint the "
+            "trainer was built from (model.path must hold the same model on every node)"
+        )
+
+
+def sync_weights(model, arch: ModelArch, engine, *, dtype: str, plan: SyncPlan | None = None):
+    """Push the model into every replica's engine (`engine` on the owners, None elsewhere).
+    Every rank calls this; `plan` None means one engine on rank 0 and one node (built here
+    with one all-gather; pass `sync_plan`'s to reuse it). Returns a `SyncResult`.
+
+    Buffered engines: each owner's buffer is offered to every rank; the writers of each node
+    copy their shards into the node's buffers; shards the node lacks are sent to it
+    (`fill_buffers`); a barrier; each owner's engine loads its buffer. Otherwise (one engine
+    without a buffer) the export streams full tensors to rank 0 (PP broadcast, TP all-gather).
+
+    Control traffic: two all_gather_objects over the world (the owners' offers, then the
+    loads' outcomes and the bytes each rank received, so that every rank learns of a refusal
+    or a failed load on any replica) and a barrier; once per set of buffers, one more to check
+    that every rank sees its node's buffers.
+    """
+    world = world_group()
+    rank = dist.get_rank() if world is not None else 0
+    plan = plan or sync_plan(Replicas.single(size_of(world)))
+    replicas = plan.replicas
+    if (engine is not None) != (replicas.owned_by(rank) is not None):
+        raise ValueError(
+            f"the rollout engines must be held by the replica owners {replicas.owners}"
+        )
+    offers = all_gather_or_fail(
+        lambda: _offer(engine, arch, dtype), "preparing the weight sync", world
+    )
+    buffers = [offers[o] for o in replicas.owners]
+    received = 0
+    if all(b is not None for b in buffers):
+        path, node = "shared", replicas.nodes[rank]
+        mine = [offers[o] for o in replicas.owners_on(node)]
+        _check_visible(buffers, mine, world)
+        received = fill_buffers(model, arch, plan, mine, dtype=DTYPES[dtype])
+        barrier(world)  # every shard is in before an engine reads
+
+        def load():
+            if engine is not None:
+                engine.load_shared_weights()
+            return received
+
+    elif len(buffers) == 1:
+        path = "stream"
+
+        def load():
+            _stream(model, arch, engine, dtype)
+            return received
+
+    else:
+        raise ValueError(
+            f"{len(buffers)} engine replicas need engines with a shared weight buffer "
+            "(rollout.backend=vllm in engine processes): set rollout.replicas=1"
+        )
+    outcomes = all_gather_or_fail(load, "loading the weights into the rollout engines", world)
+    by_node = {replicas.nodes[o]: 0 for o in replicas.owners}
+    for member, nbytes in enumerate(outcomes):
+        if nbytes:
+            by_node[replicas.nodes[member]] += nbytes
+    return SyncResult(
+        version=None if engine is None else engine.version, path=path, received=by_node
+    )
+
+
+def fill_buffers(
+    model, arch: ModelArch, plan: SyncPlan, buffers: list[SharedWeights], *, dtype: torch.dtype
+) -> int:
+    """This rank's part of `plan`: its own shard into `buffers` (its node's engines) when it is
+    its node's writer of that shard, and the shards it sends to, or receives from, other nodes
+    (received ones are written into `buffers`). Returns the bytes this rank received.
+
+    Every rank walks the same list of cross-node messages (one per parameter of each transfer)
+    in buckets of `TRANSFER_BUCKET_BYTES`: it posts the sends and receives of a bucket that
+    are its own, waits for them, writes what it received, and moves on; the tag of a message
+    is its index in the bucket. Point to point over the world; nothing when a node holds every
+    shard."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    here, te_spec = plan.places[rank], use_transformer_engine()
+    params = dict(unwrap(model).named_parameters())
+    if rank in plan.writers:
+        for buffer in buffers:
+            write_shards(
+                buffer,
+                params,
+                arch,
+                tp=plan.tp,
+                tp_rank=here.tp_rank,
+                pp=plan.pp,
+                pp_rank=here.stage,
+                te_spec=te_spec,
+            )
+    messages = [
+        (t, item)
+        for t in plan.transfers
+        for item in sent_items(arch, stage=t.stage, tp_rank=t.tp_rank, pp=plan.pp, te_spec=te_spec)
+    ]
+    device = next(iter(params.values())).device
+    size = torch.empty((), dtype=dtype).element_size()
+    received, start = 0, 0
+    while start < len(messages):
+        bucket, nbytes = [], 0
+        while start < len(messages) and (not bucket or nbytes < TRANSFER_BUCKET_BYTES):
+            t, item = messages[start]
+            shape = shard_shape(item, arch, tp=plan.tp)
+            bucket.append((t, item, shape))
+            nbytes += torch.Size(shape).numel() * size
+            start += 1
+        sends, recvs, landed = [], [], []
+        for tag, (t, item, shape) in enumerate(bucket):
+            if t.src == rank:
+                shard = params[item.megatron_name].detach().to(dtype).contiguous()
+                sends.append((shard, t.dst, tag))
+            if t.dst == rank:
+                shard = torch.empty(shape, dtype=dtype, device=device)
+                recvs.append((shard, t.src, tag))
+                landed.append((t, item, shard))
+        exchange(sends, recvs)
+        for t, item, shard in landed:
+            received += shard.numel() * shard.element_size()
+            for buffer in buffers:
+                write_shard(buffer, item, shard, arch, tp=plan.tp, tp_rank=t.tp_rank)
+    return received
+
+
+def _stream(model, arch: ModelArch, engine, dtype: str) -> None:
+    """The whole model streamed to the one engine on rank 0: a collective over data-parallel
+    rank 0's model-parallel group (the other ranks do nothing)."""
+    if not in_engine_group():
+        return
+    stream = hf_weights(model, arch, dtype=dtype)
+    if engine is None:
+        for _ in stream:  # the collectives need every peer; the tensors are not needed here
+            pass
+    else:
+        engine.update_weights(stream)
+
+
+def _offer(engine, arch: ModelArch, dtype: str) -> SharedWeights | None:
+    """An owner's buffer (None for an engine that takes the stream, and on other ranks);
+    ValueError when the owner's engine holds another model or cannot make its buffer."""
+    if engine is None:
+        return None
+    check_engine(engine, arch)
     try:
-        return None, engine.shared_weights(DTYPES[dtype])
+        return engine.shared_weights(DTYPES[dtype])
     except (OSError, RuntimeError) as err:  # e.g. too little shared memory
-        return f"the rollout engine's weight buffer could not be made: {err}", None
+        raise ValueError(f"the rollout engine's weight buffer could not be made: {err}") from err
 
 
-_seen_by_all: dict[str, bool] = {}
+_visible: set[tuple[str, ...]] = set()
 
 
-def _all_see(buffer: SharedWeights, group) -> bool:
-    """Every rank of `group` sees the buffer's file (False when the group spans nodes). Asked
-    once per buffer: the answer, reduced over the group, is the same on every rank."""
-    if buffer.token not in _seen_by_all:
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        blind = torch.tensor([0.0 if buffer.visible() else 1.0], device=device)
-        _seen_by_all[buffer.token] = not bool(max_over(blind, group).item())
-    return _seen_by_all[buffer.token]
+def _check_visible(buffers: list[SharedWeights], mine: list[SharedWeights], group) -> None:
+    """Every rank sees its node's buffers (`mine`); ValueError on every rank if one does not.
+    Checked once per set of buffers (`buffers`, the same on every rank, so that every rank
+    agrees on whether to check)."""
+    key = tuple(b.token for b in buffers)
+    if key in _visible:
+        return
+    with fail_together("reaching the engines' weight buffers", group):
+        for buffer in mine:
+            if not buffer.visible():
+                raise ValueError(
+                    f"this rank cannot see the weight buffer {buffer.path} of an engine on its "
+                    "node: the ranks of a node must share rollout.shm_dir (docker: --ipc=host)"
+                )
+    _visible.add(key)
 
 
 def _ranks() -> dict:

@@ -31,6 +31,10 @@ LONG_PROMPT_POLICIES = ("error", "truncate")
 ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class EngineDeadError(RuntimeError):
+    """The rollout engine's processes are gone (a crash, the OOM killer, a kill)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
     """Per-call sampling parameters; the trainer's temperature must be the same."""

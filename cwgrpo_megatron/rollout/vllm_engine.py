@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ from cwgrpo_megatron.rollout.base import (
     ENGINE_DTYPES,
     Completion,
     EngineBase,
+    EngineDeadError,
     RolloutGroup,
     SamplingConfig,
     check_sequences,
@@ -61,6 +63,8 @@ ENGINE_RECORDS = Path(tempfile.gettempdir()) / "cwgrpo-engines"
 vLLM renames its processes (setproctitle), which wipes their visible environment, so they are
 recorded rather than searched for."""
 _RESTORED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")
+WATCHDOG_S = 0.5
+"""How often a waiting call checks whether its engine processes were marked dead."""
 
 
 class _TrainerState:
@@ -145,6 +149,7 @@ class VLLMEngine(EngineBase):
         enable_sleep_mode: bool = False,
         enforce_eager: bool = True,
         shm_dir: str = "/dev/shm",
+        devices: Sequence[int] | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -157,6 +162,9 @@ class VLLMEngine(EngineBase):
             )
         super().__init__(model_dir, seed=seed, max_model_len=max_model_len, long_prompt=long_prompt)
         self.shm_dir = shm_dir
+        self.devices = None if devices is None else list(devices)
+        """GPUs of this node (by index, as LOCAL_RANK counts them) that the engine processes
+        run on; None: vLLM's choice (the first tensor_parallel_size visible ones)."""
         self._buffer: shm.SharedWeights | None = None
         self._buffer_finalizer = None
         self.last_load: str | None = None
@@ -196,7 +204,7 @@ class VLLMEngine(EngineBase):
             kill_orphaned_engines()
         from vllm import LLM
 
-        with _TrainerState():
+        with _TrainerState(), _visible_devices(self.devices):
             llm = LLM(**self._engine_args)
         if not self.in_process:  # stop engine processes at exit even if the run fails
             record = _record_engine_processes()
@@ -273,7 +281,7 @@ class VLLMEngine(EngineBase):
     ) -> list[RolloutGroup]:
         prompts, cut = self._check_requests(prompt_token_ids, n, sampling)
         params = self._params(n, sampling, self._prompt_seeds(sampling, len(prompts), n, seeds))
-        with _TrainerState():
+        with _TrainerState(), self._alive():
             outputs = self.llm.generate(
                 [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
             )
@@ -292,7 +300,7 @@ class VLLMEngine(EngineBase):
 
         check_sequences(sequences, max_model_len=self.max_model_len)
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        with _TrainerState():
+        with _TrainerState(), self._alive():
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
             )
@@ -300,6 +308,39 @@ class VLLMEngine(EngineBase):
             [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
             for out, seq in zip(outputs, sequences, strict=True)
         ]
+
+    @contextlib.contextmanager
+    def _alive(self):
+        """vLLM's EngineDeadError as ours, with what to do about it. vLLM 0.32's client waits
+        forever for engine processes that die mid-call (its monitor marks the engine dead and
+        stops the output thread without a word to a waiting request or RPC), so a watchdog
+        hands the waiting call vLLM's own error once the engine is marked dead."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
+
+        done = threading.Event()
+        if not self.in_process:
+            client = self.llm.llm_engine.engine_core
+
+            def watch() -> None:
+                while not done.wait(WATCHDOG_S):
+                    if client.resources.engine_dead:
+                        client.outputs_queue.put_nowait(VLLMEngineDead())  # a request
+                        for future in list(client.utility_results.values()):  # an RPC
+                            if not future.done():
+                                future.set_exception(VLLMEngineDead())
+                        return
+
+            threading.Thread(target=watch, daemon=True, name="cwgrpo-engine-watchdog").start()
+        try:
+            yield
+        except VLLMEngineDead as err:
+            raise EngineDeadError(
+                f"the vLLM engine processes of rank {_global_rank()} died (a crash, the OOM "
+                "killer or a kill; vLLM's log above says which): start the run again, it "
+                "resumes from its last checkpoint"
+            ) from err
+        finally:
+            done.set()
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -337,16 +378,44 @@ class VLLMEngine(EngineBase):
 
     def _load(self, call):
         """Run the engine-side load `call`, then reset the prefix cache and bump the version;
-        a failed load rebuilds the engine (`_recover`) and re-raises."""
+        a failed load rebuilds the engine (`_recover`) and re-raises; dead engine processes
+        raise EngineDeadError."""
         try:
-            with _TrainerState():
+            with _TrainerState(), self._alive():
                 result = call()
+        except EngineDeadError:
+            raise  # nothing to restore: the processes are gone, and the run stops
         except BaseException:
             self._recover()
             raise
         self.llm.reset_prefix_cache()
         self.version += 1
         return result
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def _visible_devices(devices: list[int] | None):
+    """CUDA_VISIBLE_DEVICES narrowed to `devices` (indices into what is visible now) while vLLM
+    starts its engine processes, which inherit it; restored afterwards."""
+    if devices is None or not torch.cuda.is_available():
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] for i in devices)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _completion(output) -> Completion:

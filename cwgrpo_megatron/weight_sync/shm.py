@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 
 from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.convert.mapping import shard_pieces, stage_params
+from cwgrpo_megatron.convert.mapping import StageParam, shard_pieces
+from cwgrpo_megatron.weight_sync.plan import written_items
 
 ALIGN = 64
 _OWNED = re.compile(r"cwgrpo-buffer-(\d+)-")
@@ -226,6 +227,25 @@ def fill(buffer: SharedWeights, tensors: Iterable[tuple[str, Tensor]]) -> None:
         views[name].copy_(tensor)
 
 
+def write_shard(
+    buffer: SharedWeights,
+    item: StageParam,
+    shard: Tensor,
+    arch: ModelArch,
+    *,
+    tp: int,
+    tp_rank: int,
+) -> int:
+    """Copy TP rank `tp_rank`'s shard of `item` into its slices of the buffer (cast to the
+    buffer's dtype); returns the bytes written."""
+    views, written = mapped(buffer), 0
+    for index, where, values in shard_pieces(item.rule, shard, arch, tp=tp, tp_rank=tp_rank):
+        target = views[item.hf_names[index]][where]
+        target.copy_(values)
+        written += target.numel() * target.element_size()
+    return written
+
+
 def write_shards(
     buffer: SharedWeights,
     params: dict[str, Tensor],
@@ -242,19 +262,7 @@ def write_shards(
     Over the TP x PP group every HF element is written exactly once: replicated parameters by
     TP rank 0, a tied output layer not at all (the first stage writes the embedding it copies).
     """
-    earlier = {
-        name
-        for stage in range(pp_rank)
-        for item in stage_params(arch, pp_rank=stage, pp=pp, te_spec=te_spec)
-        for name in item.hf_names
-    }
-    views, written = mapped(buffer), 0
-    for item in stage_params(arch, pp_rank=pp_rank, pp=pp, te_spec=te_spec):
-        if all(name in earlier for name in item.hf_names):
-            continue
-        shard = params[item.megatron_name].detach()
-        for index, where, values in shard_pieces(item.rule, shard, arch, tp=tp, tp_rank=tp_rank):
-            target = views[item.hf_names[index]][where]
-            target.copy_(values)
-            written += target.numel() * target.element_size()
-    return written
+    return sum(
+        write_shard(buffer, item, params[item.megatron_name].detach(), arch, tp=tp, tp_rank=tp_rank)
+        for item in written_items(arch, stage=pp_rank, pp=pp, te_spec=te_spec)
+    )

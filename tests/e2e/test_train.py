@@ -139,13 +139,6 @@ def check_run_folder(out: Path, steps: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
-
-    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "hf", end_tokens=32)
-
-
-@pytest.fixture(scope="module")
 def vllm_run(tiny, tmp_path_factory) -> Path:
     """The reference: 3 steps with the vLLM engine in one process, a checkpoint every step."""
     out = tmp_path_factory.mktemp("vllm") / "run"

@@ -20,6 +20,7 @@ SMOKE = {
     "bench_e2e.py": ["--quick", "--prompts", "2", "--group", "2", "--tokens", "8"],
     "bench_vllm_compile.py": ["--quick"],
     "bench_microbatch.py": ["--quick"],
+    "bench_rollout_scale.py": ["--quick"],
 }
 
 

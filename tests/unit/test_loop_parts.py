@@ -1,4 +1,4 @@
-"""The training loop's pure parts: prompt shards, seeds, prompt sets, batches, metrics, run
+"""The training loop's pure parts: seeds, prompt sets, batches, metrics, run
 folder bookkeeping."""
 
 import gzip
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cwgrpo_megatron.config import load_config
-from cwgrpo_megatron.data.batching import batch_from_rollouts, shard_prompts
+from cwgrpo_megatron.data.batching import batch_from_rollouts
 from cwgrpo_megatron.data.prompt_set import build_prompt_sets
 from cwgrpo_megatron.data.prompts import PromptFormat
 from cwgrpo_megatron.reward.scoring import ScoredGroup
@@ -17,33 +17,6 @@ from cwgrpo_megatron.rollout.base import Completion, RolloutGroup, rollout_seed
 from cwgrpo_megatron.run_dir import RunDir, checkpoint_to_resume, rewind_metrics, write_samples
 from cwgrpo_megatron.step_metrics import rollout_metrics, step_tokens, timing_metrics
 from cwgrpo_megatron.tracking import _json_value
-
-
-@pytest.mark.parametrize(
-    ("prompts", "mini", "dp"),
-    [
-        pytest.param(12, 1, 1, id="one-rank"),
-        pytest.param(12, 1, 4, id="dp4"),
-        pytest.param(12, 2, 2, id="2-mini-dp2"),
-        pytest.param(12, 3, 2, id="3-mini-dp2"),
-    ],
-)
-def test_shard_prompts_are_the_groups_that_train_step_gives_each_rank(prompts, mini, dp):
-    group = 3
-    groups = [
-        RolloutGroup([1, 2], [Completion([5, 0], [-1.0, -2.0], "stop")] * group, 0)
-        for _ in range(prompts)
-    ]
-    batch = batch_from_rollouts(groups, torch.zeros(prompts, group))
-    owned = []
-    for rank in range(dp):
-        mine = shard_prompts(prompts, mini_batches=mini, dp_rank=rank, dp_size=dp)
-        cut = [m.shard(rank, dp) for m in batch.split(mini)]
-        assert mine == sorted({int(i) for c in cut for i in c.prompt_index})
-        owned += mine
-    assert sorted(owned) == list(range(prompts))  # every group once, none shared
-    with pytest.raises(ValueError, match="do not split"):
-        shard_prompts(10, mini_batches=3, dp_rank=0, dp_size=1)
 
 
 def test_mask_truncated_drops_the_loss_of_cut_completions_only():

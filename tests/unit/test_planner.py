@@ -105,13 +105,13 @@ def test_cli_json_has_the_promised_fields(capsys):
 
 
 def test_text_report_reads_the_verdict(capsys):
-    code, out, _ = _cli(capsys, "--config", "configs/qwen2p5_72b.yaml", "--nodes", "8")
+    config = ("--config", "configs/qwen2p5_72b.yaml", "--nodes", "8")
+    code, out, _ = _cli(capsys, *config, "rollout.tp=1")
     assert code == 1  # one TP1 engine cannot hold 72B weights in 24 GiB
     assert "DOES NOT FIT" in out and "do not fit its reservation" in out
-    code, out, _ = _cli(
-        capsys, "--config", "configs/qwen2p5_72b.yaml", "--nodes", "8", "--rollout-tp", "8"
-    )
+    code, out, _ = _cli(capsys, *config, "--rollout-tp", "8")
     assert code == 0 and "verdict: FITS" in out
+    assert _cli(capsys, *config)[0] == 0  # the config's own rollout.tp: 8
 
 
 def _layouts(capsys, config, *args):

@@ -1,0 +1,182 @@
+"""Rollout engine replicas across two "nodes": two torchrun launches side by side on this
+machine (`--nnodes 2 --node-rank {0,1}`), each with 2 processes and one vLLM engine, against
+one launch of 4 processes (one node, one engine). Tiny random Qwen2, configs/tiny_cpu.yaml."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cwgrpo_megatron.megatron.launch import free_port
+from tests.e2e.test_train import LAUNCHER, metrics, train_args, without_timings
+
+ARGS = ("run.verify_sync=1", "train.total_steps=2")
+
+
+def launch_nodes(
+    nnodes: int, nproc: int, args: list[str] | list[list[str]], *, timeout=480, watch=None
+):
+    """Run the launcher under `nnodes` torchrun launches of `nproc` processes side by side,
+    with `args` (or args[node] for each); [(exit code, output)] per launch (124: still running
+    at `timeout`). `watch(procs)` is called every 0.2 s while they run (the kill test's hook)."""
+    per_node = args if isinstance(args[0], list) else [args] * nnodes
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    port, procs = free_port(), []
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(nnodes)]
+        for node, out in enumerate(outs):
+            cmd = ["torchrun", "--nnodes", str(nnodes), "--node-rank", str(node)]
+            cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+            cmd += ["--nproc-per-node", str(nproc), str(LAUNCHER), *per_node[node]]
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            )
+        deadline, codes = time.monotonic() + timeout, [None] * nnodes
+        try:
+            while None in codes and time.monotonic() < deadline:
+                codes = [p.poll() for p in procs]
+                if watch is not None:
+                    watch(procs)
+                time.sleep(0.2)
+        finally:  # torchrun's workers lead sessions of their own: kill every descendant
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    for child in psutil.Process(p.pid).children(recursive=True):
+                        child.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        results = []
+        for code, out in zip(codes, outs, strict=True):
+            out.seek(0)
+            results.append((124 if code is None else code, out.read()))
+    return results
+
+
+def samples(out: Path, step: int) -> list[dict]:
+    path = out / "samples" / f"step_{step:08d}.jsonl.gz"
+    return [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_node(tiny, tmp_path_factory) -> Path:
+    """The reference: one launch of 4 processes at TP2 x DP2, one engine (on rank 0)."""
+    out = tmp_path_factory.mktemp("one_node") / "run"
+    ((code, log),) = launch_nodes(1, 4, train_args(tiny, out, "parallel.tp=2", *ARGS))
+    assert code == 0, log
+    assert "1 engine replicas" in log
+    return out
+
+
+def _two_nodes(tiny, out: Path, *extra: str) -> list[dict]:
+    runs = launch_nodes(2, 2, train_args(tiny, out, *extra, *ARGS))
+    for code, log in runs:
+        assert code == 0, log
+    assert "2 engine replicas (owners: ranks 0, 2) on 2 nodes" in runs[0][1]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    # run.verify_sync=1: after every sync each replica's engine scores like the trainer
+    assert all(r["sync/gap"] <= r["sync/tol"] == 1e-4 for r in rows), rows
+    return rows
+
+
+def _same_run(rows: list[dict], reference: Path, out: Path) -> None:
+    """The same completions, step by step, and the same metrics as the one-node run."""
+    for step in (1, 2):
+        assert samples(out, step) == samples(reference, step), f"step {step}"
+    expected = without_timings(metrics(reference))
+    for ours, single in zip(without_timings(rows), expected, strict=True):
+        assert ours.keys() == single.keys()
+        for key, value in single.items():
+            if not key.startswith("sync/"):
+                assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_tp2_in_each_node_dp2_across_two_replicas_train_like_one_node(tiny, one_node, tmp_path):
+    out = tmp_path / "run"
+    rows = _two_nodes(tiny, out, "parallel.tp=2")
+    # each node holds a whole model copy: its ranks write their shards, nothing crosses nodes
+    assert [r["sync/received_mb"] for r in rows] == [0.0, 0.0]
+    _same_run(rows, one_node, out)
+
+
+def test_pp2_across_nodes_sends_each_node_the_other_stage(tiny, one_node, tmp_path):
+    from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
+
+    out = tmp_path / "run"
+    rows = _two_nodes(tiny, out, "parallel.pp=2")
+    ckpt = HFCheckpoint(str(tiny))
+    stage = {0: 0, 1: 0}  # bytes of each pipeline stage's HF tensors (2 layers, one a stage)
+    for name in ckpt.names():
+        layer = name.split(".")[2] if ".layers." in name else None
+        first = "embed" in name or layer == "0"
+        stage[0 if first else 1] += ckpt.get(name).numel() * 4
+    # node 0 holds stage 0 and receives stage 1, node 1 the other way round; the metric is
+    # the larger of the two, measured on the receiving ranks
+    assert [r["sync/received_mb"] for r in rows] == [max(stage.values()) / 2**20] * 2
+    _same_run(rows, one_node, out)
+
+
+def test_a_killed_engine_stops_every_rank_and_keeps_the_checkpoints(tiny, tmp_path):
+    out = tmp_path / "run"
+    killed = []
+
+    def kill_node1_engine_after_step1(procs):
+        if killed or not (out / "checkpoints" / "step_00000001").is_dir():
+            return
+        for child in psutil.Process(procs[1].pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if child.name() == "VLLM::EngineCore":
+                    child.send_signal(signal.SIGKILL)
+                    killed.append(child.pid)
+
+    extra = ("parallel.tp=2", "train.total_steps=4", "run.save_every=1", "run.keep_last=4")
+    started = time.monotonic()
+    runs = launch_nodes(2, 2, train_args(tiny, out, *extra), watch=kill_node1_engine_after_step1)
+    assert killed, "node 1's engine was never found"
+    assert time.monotonic() - started < 300
+    logs = "\n".join(log for _, log in runs)
+    assert [code for code, _ in runs] != [0, 0] and 124 not in [c for c, _ in runs], logs
+    died = "the vLLM engine processes of rank 2 died"
+    errors = {int(line.split()[1][:-1]): line for line in logs.splitlines() if "] error: " in line}
+    assert sorted(errors) == [0, 1, 2, 3], logs
+    assert errors[2].startswith(f"[rank 2] error: {died}"), errors
+    for rank in (0, 1, 3):  # whichever phase of step 2 the kill hit (rollout, sync, check)
+        assert f"failed on rank 2: EngineDeadError: {died}" in errors[rank], errors
+    # every checkpoint written before the failure is whole, nothing half-written is left, and
+    # the metrics hold the saved steps
+    from cwgrpo_megatron.megatron.train_checkpoint import STATE_NAME
+
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved and all(name.startswith("step_") for name in saved), saved
+    assert all((out / "checkpoints" / name / STATE_NAME).is_file() for name in saved)
+    steps = [r["step"] for r in metrics(out)]
+    assert [int(name.removeprefix("step_")) for name in saved] == steps[: len(saved)]
+
+
+def test_a_node_with_another_model_is_refused_before_the_first_step(tiny, tmp_path):
+    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+
+    other = save_tiny_qwen2(tmp_path / "other", end_tokens=32, intermediate_size=384)
+    out = tmp_path / "run"
+    runs = launch_nodes(2, 1, [train_args(tiny, out, *ARGS), train_args(other, out, *ARGS)])
+    logs = "\n".join(log for _, log in runs)
+    assert [code for code, _ in runs] == [1, 1], logs
+    for rank, path in ((0, tiny), (1, other)):
+        said = f"[rank {rank}] error: model.path={path} holds another model on rank 1 than on"
+        assert said in logs, logs
+    assert "ffn_hidden_size: 256 vs 384" in logs and "every node must hold the same" in logs
+    assert not (out / "metrics.jsonl").exists() or not metrics(out)
