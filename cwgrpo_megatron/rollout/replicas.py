@@ -21,7 +21,7 @@ Pure bookkeeping: the node of every rank comes from `dist.node_of_each_rank`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 
@@ -35,7 +35,9 @@ class Replicas:
     """The engine's tensor-parallel size (`rollout.tp`)."""
 
     @classmethod
-    def place(cls, nodes: Sequence[int], replicas: int | str, *, engine_tp: int = 1) -> Replicas:
+    def place(
+        cls, nodes: Sequence[Hashable], replicas: int | str, *, engine_tp: int = 1
+    ) -> Replicas:
         """Replica groups for ranks on `nodes` (the node id of each global rank, any labels):
         `replicas` R per_node, R >= nodes (R / nodes on each node) or R < nodes (one on each
         of the first R nodes; the others hold no engine). ValueError when R cannot be split
