@@ -13,9 +13,10 @@ Per step, after `--warmup` untimed steps, rank 0 times the rollout phase (`Train
 every replica generates its share, the slowest sets the time), the sync (`Trainer.sync`: each
 node's ranks write their shards into their engine's buffer; at DP2 each node holds the whole
 model, so nothing crosses nodes; at PP2 each receives the stage it lacks) and the cross-replica
-collectives that the loop adds around
-them, with the step's own payload: the failure agreement after generation (`fail_together`)
-and the all-gather that assembles the step's scored groups on every rank (`Trainer.score`).
+collectives that the loop adds around them, with the step's own payload: the failure agreement
+after generation (`fail_together`) and the all-gather that assembles the step's scored groups
+on every rank (`Trainer.score`). The table gives medians over the timed steps, and the range
+of the rollout's seconds: two engines on one machine vary from step to step and run to run.
 
 Completions have no end token (`end_tokens=0`): every completion is `--tokens` long. On a
 2-core machine the generation ratio mostly measures overhead: the two engines split the same
@@ -122,8 +123,9 @@ def worker(args) -> None:
     if rank != 0 or args.result is None:
         return
     timed = rows[args.warmup :]
-    result = {k: statistics.mean(r[k] for r in timed) for k in timed[0]}
+    result = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     result["tokens_per_s"] = result["tokens"] / result["rollout"]
+    result["rollout_range"] = [min(r["rollout"] for r in timed), max(r["rollout"] for r in timed)]
     Path(args.result).write_text(json.dumps(result))
 
 
@@ -198,13 +200,15 @@ def main(argv=None) -> int:
     print(
         f"{'tiny' if args.quick else 'random Qwen2, hidden 512, 8 layers'}: 2 trainer ranks, "
         f"{args.prompts} prompts x {args.group} x {args.tokens} tokens a step, "
-        f"mean of {args.steps} steps after {args.warmup}, 2 CPU cores in both modes"
+        f"median of {args.steps} steps after {args.warmup}, 2 CPU cores in every mode"
     )
-    header = f"{'mode':<11} {'rollout s':>9} {'tokens/s':>9} {'sync s':>7} "
+    header = f"{'mode':<11} {'rollout s':>9} {'(min-max)':>11} {'tokens/s':>9} {'sync s':>7} "
     print(header + f"{'MiB/node':>8} {'collectives ms':>14}")
     for name, r in results.items():
+        low, high = r["rollout_range"]
         print(
-            f"{name:<11} {r['rollout']:>9.3f} {r['tokens_per_s']:>9.1f} {r['sync']:>7.3f} "
+            f"{name:<11} {r['rollout']:>9.3f} {low:>5.2f}-{high:<5.2f} "
+            f"{r['tokens_per_s']:>9.1f} {r['sync']:>7.3f} "
             f"{r['received_mb']:>8.1f} {r['collectives_ms']:>14.2f}"
         )
     one, two = results["1 replica"], results["2 replicas"]
