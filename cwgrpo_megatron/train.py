@@ -87,6 +87,10 @@ def run(argv=None, *, default_config: str | None = None) -> int:
         if trainer is not None:
             _close(trainer, rank, log)
         return 1
+    except BaseException:  # Ctrl-C, SystemExit: release the engines and workers all the same
+        if trainer is not None:
+            _close(trainer, rank, log)
+        raise
     if not _close(trainer, rank, log):
         return 1
     log.info("done: %s", trainer.run.root)
