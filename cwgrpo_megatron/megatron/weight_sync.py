@@ -273,16 +273,6 @@ def _check_visible(buffers: list[SharedWeights], mine: list[SharedWeights], grou
     _visible.add(key)
 
 
-def _ranks() -> dict:
-    return dict(
-        tp=parallel_state.get_tensor_model_parallel_world_size(),
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        pp=parallel_state.get_pipeline_model_parallel_world_size(),
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        te_spec=use_transformer_engine(),
-    )
-
-
 def score(model, arch: ModelArch, tokens: torch.Tensor) -> torch.Tensor | None:
     """log p(x_t | x_<t) `[b, s-1]` at temperature 1 from the vocab-parallel logits, on rank 0
     of the engine group (sent from the last stage over PP); None on ranks outside that group."""

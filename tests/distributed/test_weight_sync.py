@@ -106,7 +106,8 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
     from cwgrpo_megatron.dist.collectives import barrier, broadcast_object
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
-    from cwgrpo_megatron.megatron.weight_sync import _ranks, hf_weights, unwrap
+    from cwgrpo_megatron.megatron.weight_sync import fill_buffers, hf_weights, sync_plan
+    from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.weight_sync import shm
 
     cfg = layout_config(
@@ -120,12 +121,13 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
         for name, tensor in hf_weights(trainer.model, arch, dtype="float32"):
             names.append(name)
             streamed_equal &= torch.equal(tensor, ckpt.get(name))
-        # every rank writes only its own shards into one buffer
+        # every rank writes only its own shards into one buffer (the sync's own path)
         if rank == 0:
             buffer = shm.create(hf_shapes(arch), torch.float32, folder=shm_dir)
         buffer = broadcast_object(buffer, 0, dist.group.WORLD)
-        params = dict(unwrap(trainer.model).named_parameters())
-        shm.write_shards(buffer, params, arch, **_ranks())
+        plan = sync_plan(Replicas.single(world_size))
+        assert plan.writers == set(range(world_size)) and not plan.transfers
+        fill_buffers(trainer.model, arch, plan, [buffer], dtype=torch.float32)
         barrier(dist.group.WORLD)
         fresh = shm.SharedWeights.from_message(buffer.to_message())._views()
         shared_equal = all(torch.equal(fresh[n], ckpt.get(n)) for n in ckpt.names())
