@@ -133,7 +133,9 @@ def run_mode(name: str, args, model: Path, data: Path, folder: Path) -> dict:
     launches, nproc, binds, layout = MODES[name]
     slug = name.replace(" ", "_").replace(",", "")
     result = folder / f"{slug}.json"
-    port = _free_port()
+    from cwgrpo_megatron.megatron.launch import free_port  # main put the repo on sys.path
+
+    port = free_port()
     procs = []
     for node, bind in enumerate(binds):
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": "1"}
@@ -155,13 +157,6 @@ def run_mode(name: str, args, model: Path, data: Path, folder: Path) -> dict:
         tail = (folder / f"{slug}_0.log").read_text()[-3000:]
         raise RuntimeError(f"{name}: exit codes {codes}\n{tail}")
     return json.loads(result.read_text())
-
-
-def _free_port() -> int:
-    sys.path.insert(0, str(REPO))
-    from cwgrpo_megatron.megatron.launch import free_port
-
-    return free_port()
 
 
 def parse(argv=None):
