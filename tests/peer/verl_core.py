@@ -27,12 +27,16 @@ class PeerUnavailable(RuntimeError):
     """The wheel could not be fetched (no network, no PyPI)."""
 
 
+def cached_wheel(cache: Path = _CACHE) -> Path | None:
+    """The verl wheel if it has been fetched into `cache`, else None."""
+    found = sorted(cache.glob(f"verl-{VERL_VERSION}-*.whl"))
+    return found[0] if found else None
+
+
 def fetch_wheel(cache: Path = _CACHE, *, timeout_s: float = 300.0) -> Path:
-    """The verl wheel, downloaded into `cache` on first use."""
-    pattern = f"verl-{VERL_VERSION}-*.whl"
-    found = sorted(cache.glob(pattern))
-    if found:
-        return found[0]
+    """The verl wheel, downloaded into `cache` on first use (`pip download` in a subprocess)."""
+    if (found := cached_wheel(cache)) is not None:
+        return found
     cache.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(cache)]
     try:
@@ -41,11 +45,11 @@ def fetch_wheel(cache: Path = _CACHE, *, timeout_s: float = 300.0) -> Path:
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         raise PeerUnavailable(f"pip download verl=={VERL_VERSION} failed: {err}") from err
-    found = sorted(cache.glob(pattern))
-    if done.returncode != 0 or not found:
+    found = cached_wheel(cache)
+    if done.returncode != 0 or found is None:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise PeerUnavailable(f"pip download verl=={VERL_VERSION} failed: {' / '.join(tail)}")
-    return found[0]
+    return found
 
 
 # ---- stand-ins for the modules core_algos.py imports -----------------------------------------
@@ -153,3 +157,7 @@ def actor_config(**overrides) -> ActorConfig:
     )
     fields.update(overrides)
     return ActorConfig(**fields)
+
+
+if __name__ == "__main__":  # `make` fetches the wheel before pytest, so the unit tier need not
+    print(fetch_wheel())

@@ -6,7 +6,7 @@ tests.peer.verl_parity` prints it. Skips with the reason when the wheel cannot b
 
 import pytest
 
-from tests.peer.verl_core import PeerUnavailable, fetch_wheel, load_core_algos
+from tests.peer.verl_core import cached_wheel, load_core_algos
 from tests.peer.verl_parity import DIFFERENCES, parity_rows, table
 
 pytestmark = pytest.mark.peer
@@ -14,10 +14,12 @@ pytestmark = pytest.mark.peer
 
 @pytest.fixture(scope="module")
 def core():
-    try:
-        return load_core_algos(fetch_wheel())
-    except PeerUnavailable as err:
-        pytest.skip(f"verl's core_algos.py is not available: {err}")
+    wheel = cached_wheel()
+    if wheel is None:
+        pytest.skip(
+            "verl's wheel is not fetched: python -m tests.peer.verl_core fetches it (make does)"
+        )
+    return load_core_algos(wheel)
 
 
 def test_every_quantity_matches_verl_within_its_tolerance(core):

@@ -1,4 +1,5 @@
-"""The metric sinks on rank 0: metrics.jsonl, TensorBoard and W&B (offline), and resume."""
+"""The metric sinks on rank 0: metrics.jsonl, TensorBoard and W&B (offline, which runs a service
+process of its own), and resume."""
 
 import json
 
