@@ -2,7 +2,7 @@
 
 Each check takes (engine, hf_dir) and raises AssertionError on failure. The torch backend runs
 them in the pytest process (tests/unit/test_rollout_torch.py); the vLLM backend runs them all in
-one spawned process around one engine (tests/distributed/test_rollout_vllm.py), because an
+one harness worker process around one engine (tests/distributed/test_rollout_vllm.py), because an
 in-process vLLM engine changes process-wide state (torch.distributed, RNG, env).
 """
 
