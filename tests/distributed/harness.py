@@ -18,11 +18,15 @@ collective with the rank that failed), raises here with the worker's traceback, 
 call starts a new pool. So does a worker left with more than `_MAX_THREADS` threads after a
 task (gloo threads that outlive their group). A worker whose pytest process is gone exits by
 itself.
+
+`CWGRPO_HARNESS_LOG=FILE` appends a line per task (its seconds, the busiest worker's threads
+afterwards) and per pool start and end: where a run's time goes.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import logging
@@ -42,10 +46,19 @@ from cwgrpo_megatron.megatron.launch import free_port
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 _POLL_S = 2.0  # how often an idle worker checks that its pytest process is still there
-# A worker starts with ~5 threads. Some groups' gloo threads outlive their task (held where a
-# collection cannot reach them), and hundreds of them slow every process on 2 cores; a pool
-# whose worker has more than this after a task is replaced before the next one.
-_MAX_THREADS = 48
+# A worker starts with ~5 threads. `_teardown` frees the groups that tasks are known to leave
+# behind; a group held where it cannot reach keeps 3 gloo threads. Idle, they cost little
+# (200 of them: 0.05 of a core per worker, measured), but they add up over a run: a pool whose
+# worker has more than this after a task is replaced before the next one.
+_MAX_THREADS = 256
+# A file to append one line per task and per pool start / end to (how the suite spends its time)
+_LOG = os.environ.get("CWGRPO_HARNESS_LOG")
+
+
+def _log(line: str) -> None:
+    if _LOG:
+        with open(_LOG, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
 
 
 class _FreshState:
@@ -92,11 +105,73 @@ def _teardown() -> None:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
+        _drop_megatron_references(parallel_state)
     if dist.is_initialized():  # an in-process vLLM engine may already have ended it
         dist.destroy_process_group()
+    _clear_kept_tracebacks()
     # a gloo group's threads live until its last reference goes, and models hold theirs in
     # reference cycles: without a collection every task leaves ~30 busy threads behind
     gc.collect()
+
+
+def _clear_kept_tracebacks() -> None:
+    """Free the task's frames that an exception kept in a module global still holds.
+
+    A module imported during a task that keeps an import error for later (vLLM's
+    `multimodal.media.audio._torchcodec_import_exc`) keeps its traceback. The traceback's
+    frames keep their callers (`f_back`), up to the task's function and everything it held:
+    a trainer, its model and its groups. Clearing the locals of the frames that have finished
+    lets them go; the error keeps its message and lines.
+    """
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            seen = set()  # a chain of causes can loop
+            while isinstance(value, BaseException) and id(value) not in seen:
+                seen.add(id(value))
+                tb = value.__traceback__
+                frame = tb.tb_frame if tb is not None else None
+                while frame is not None:
+                    with contextlib.suppress(RuntimeError):  # still running: the worker's loop
+                        frame.clear()
+                    frame = frame.f_back
+                if tb is not None:
+                    traceback.clear_frames(tb)
+                value = value.__cause__ or value.__context__
+
+
+def _drop_megatron_references(parallel_state) -> None:
+    """Let go of the groups that Megatron keeps past `destroy_model_parallel`.
+
+    Three holders, found by walking `gc` back from the groups a task left (each gloo group
+    keeps 2-3 threads until its last reference goes):
+    - globals that `destroy_model_parallel` does not reset (0.16.1:
+      `_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP[_GLOO]`);
+    - `functools.lru_cache`s on Megatron methods, e.g. `RotaryEmbedding.forward`, which keep
+      their `self`, and with it the module's context-parallel group;
+    - `DistributedDataParallel`'s gradient hooks: each parameter's gradient accumulator (a
+      C++ autograd node, which `gc` cannot see into) holds a hook that holds the DDP wrapper,
+      which holds the parameters: a cycle that is never collected. Emptying the wrapper's
+      attributes (the task is over) breaks it.
+    """
+    import functools
+
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel
+
+    def holds_group(value) -> bool:
+        if isinstance(value, list | tuple):
+            return any(holds_group(v) for v in value)
+        return isinstance(value, dist.ProcessGroup)
+
+    for name, value in list(vars(parallel_state).items()):
+        if holds_group(value):
+            setattr(parallel_state, name, None)
+    for obj in gc.get_objects():
+        if isinstance(obj, functools._lru_cache_wrapper):
+            if str(getattr(obj, "__module__", "")).startswith("megatron."):
+                obj.cache_clear()
+        elif isinstance(obj, DistributedDataParallel):
+            vars(obj).clear()
 
 
 def _threads() -> int:
@@ -160,16 +235,20 @@ class _Pool:
             )
             for r in range(world_size)
         ]
+        t0 = time.monotonic()
         for p in self.procs:
             p.start()
         self.worn = False
+        _log(f"pool {world_size} start {time.monotonic() - t0:.1f}s")
 
     def run(self, fn: Callable[..., Any], args: tuple, timeout: float) -> list:
         port = free_port()
         for q in self.tasks:
             q.put((fn, args, port))
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         out: dict[int, Any] = {}
+        most = 0  # threads of the busiest worker after this task
         while len(out) < self.world_size:
             left = deadline - time.monotonic()
             try:
@@ -183,10 +262,16 @@ class _Pool:
             if status != "ok":
                 raise RuntimeError(f"distributed worker failed\nrank {rank}:\n{payload}")
             out[rank] = payload
-            self.worn |= threads > _MAX_THREADS
+            most = max(most, threads)
+        self.worn = most > _MAX_THREADS
+        _log(
+            f"task {self.world_size} {fn.__module__}.{fn.__qualname__} "
+            f"{time.monotonic() - start:.1f}s threads={most}"
+        )
         return [out[r] for r in range(self.world_size)]
 
     def close(self, *, wait: float) -> None:
+        t0 = time.monotonic()
         if wait:
             for q in self.tasks:
                 q.put(None)
@@ -199,6 +284,7 @@ class _Pool:
         for q in (*self.tasks, self.results):
             q.close()
             q.cancel_join_thread()
+        _log(f"pool {self.world_size} close {time.monotonic() - t0:.1f}s")
 
 
 _POOLS: dict[int, _Pool] = {}

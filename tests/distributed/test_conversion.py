@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from cwgrpo_megatron.megatron.conversion import hf_to_megatron
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import run_distributed, run_tool
 from tests.distributed.qwen_fixtures import make_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,25 +135,19 @@ def _cli(tool: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_convert_export_and_check(tmp_path):
+    """The three tools' mains in a row on the persistent world; the last check, which must fail,
+    is the command as users start it (its exit code and verdict line). The bad-input test below
+    starts the two conversion tools as commands too."""
     hf_dir = save_hf("qwen-tied", tmp_path / "hf")
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
-    done = _cli(
-        "convert_hf_to_megatron.py",
-        "--hf-dir",
-        str(hf_dir),
-        "--out",
-        str(ckpt),
-        "--tp",
-        "2",
-        "--pp",
-        "2",
-    )
-    assert done.returncode == 0, done.stderr
-    done = _cli("convert_megatron_to_hf.py", "--ckpt", str(ckpt), "--out", str(back))
-    assert done.returncode == 0, done.stderr
-    done = _cli("check_conversion.py", "--hf-dir", str(back), "--ckpt", str(ckpt))
-    assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(done.stdout.splitlines()[0])
+    argv = ["--hf-dir", str(hf_dir), "--out", str(ckpt), "--tp", "2", "--pp", "2"]
+    code, log = run_tool("convert_hf_to_megatron.py", 1, *argv)
+    assert code == 0, log
+    code, log = run_tool("convert_megatron_to_hf.py", 1, "--ckpt", str(ckpt), "--out", str(back))
+    assert code == 0, log
+    code, log = run_tool("check_conversion.py", 1, "--hf-dir", str(back), "--ckpt", str(ckpt))
+    assert code == 0, log
+    result = json.loads(next(line for line in log.splitlines() if line.startswith("{")))
     assert result["max_abs_logits"] < 1e-5 and result["max_abs_logprob"] < 1e-5
     # a different model against the same checkpoint must fail the check
     other = save_hf("qwen-tied", tmp_path / "other", seed=7)

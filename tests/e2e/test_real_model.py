@@ -19,15 +19,10 @@ from tests.e2e.test_train import REPO, TINY, launch, torchrun
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> Path:
+    """The import tool's main on a persistent worker; its command runs in the cache test."""
     out = tmp_path_factory.mktemp("smollm2") / "hf"
-    done = subprocess.run(
-        [sys.executable, "tools/import_gguf.py", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, log = run_tool("import_gguf.py", 1, "--out", str(out))
+    assert code == 0, log[-3000:]
     config = json.loads((out / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_key_value_heads"]) == (30, 3)
     assert config["tie_word_embeddings"] and config["vocab_size"] == 49152
