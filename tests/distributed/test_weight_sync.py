@@ -258,12 +258,15 @@ def _check_with_a_blind_peer(rank, world_size, hf_dir):
     from cwgrpo_megatron.megatron.sync_check import run_check
     from cwgrpo_megatron.weight_sync.shm import SharedWeights
 
+    visible = SharedWeights.visible
     if rank == 1:  # as if rank 1 had a shared-memory folder of its own (a container, say)
         SharedWeights.visible = lambda self: False
     try:
         run_check(hf_dir=hf_dir, tp=2, backend="vllm", rounds=1, seed=2)
     except (ValueError, PeerFailure) as err:
         return str(err)
+    finally:  # the worker serves later tasks
+        SharedWeights.visible = visible
     return "synced"
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.harness import run_tool
+
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
 
@@ -83,13 +85,11 @@ def test_evaluate_takes_a_megatron_checkpoint(tmp_path):
 
     hf_dir = save_tiny_qwen2(tmp_path / "hf", max_position_embeddings=4096)
     ckpt = tmp_path / "ckpt"
-    convert = [sys.executable, str(ROOT / "tools" / "convert_hf_to_megatron.py")]
-    subprocess.run(
-        [*convert, "--hf-dir", str(hf_dir), "--out", str(ckpt)],
-        check=True,
-        capture_output=True,
-        timeout=300,
+    # the converter's main (its command is tested in tests/distributed/test_conversion.py)
+    code, log = run_tool(
+        "convert_hf_to_megatron.py", 1, "--hf-dir", str(hf_dir), "--out", str(ckpt)
     )
+    assert code == 0, log
     out = tmp_path / "r.json"
     cmd = _evaluate_cmd(ckpt, out, "--benchmarks", "amc23", "--limit", "3", "--engine", "torch")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cwgrpo_megatron.megatron.launch import free_port
+from tests.distributed.harness import run_tool
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "examples" / "train_cwgrpo_7b.sh"
@@ -159,21 +160,9 @@ def test_one_process_with_vllm_writes_the_whole_run_folder(vllm_run):
 
 def test_torch_engine_from_a_megatron_checkpoint_and_its_hf_export(tiny, tmp_path):
     ckpt = tmp_path / "megatron"
-    converted = subprocess.run(
-        [
-            sys.executable,
-            "tools/convert_hf_to_megatron.py",
-            "--hf-dir",
-            str(tiny),
-            "--out",
-            str(ckpt),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert converted.returncode == 0, converted.stderr
+    # the converter's main (its command is tested in tests/distributed/test_conversion.py)
+    code, log = run_tool("convert_hf_to_megatron.py", 1, "--hf-dir", str(tiny), "--out", str(ckpt))
+    assert code == 0, log
     out = tmp_path / "run"
     code, log = launch(python_train(ckpt, out, "rollout.backend=torch"))
     assert code == 0, log
