@@ -111,9 +111,13 @@ def trl(args, hf_dir: Path, data: Path, out: Path) -> dict:
     dataset = Dataset.from_list(
         [{"prompt": f"{r['problem']}\n", "answer": r["answer"]} for r in rows]
     )
-    reward = load_config(
-        overrides=["reward.weights={accuracy: 1.0, format: 1.0}", "reward.workers=1"]
-    ).reward.build()
+    from cwgrpo_megatron.reward import build_reward
+
+    reward = build_reward(
+        load_config(
+            overrides=["reward.weights={accuracy: 1.0, format: 1.0}", "reward.workers=1"]
+        ).reward
+    )
 
     def same_reward(prompts, completions, completion_ids, answer, **_):
         lengths = [len(ids) for ids in completion_ids]

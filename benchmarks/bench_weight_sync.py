@@ -5,7 +5,7 @@ TP1 (one process, in-process engine) and TP2 (two gloo processes, rank 0 owns en
 processes). Either way each rank writes its shards into the engine's /dev/shm buffer and the
 engine loads it in place (`rollout.vllm_inplace`):
 
-    ours      `megatron.weight_sync.sync_weights`, the whole sync: HF names and layout, load
+    ours      `megatron.publish.sync_weights`, the whole sync: HF names and layout, load
               into the engine, prefix-cache reset (the first sync, which allocates the
               buffer, is a warm-up and not timed)
     shm       vLLM reloading the same weights from a safetensors file already in /dev/shm
@@ -68,7 +68,7 @@ def worker(rank, world, port, hf_dir, repeats, queue):
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.model import build_model, load_hf_weights
-    from cwgrpo_megatron.megatron.weight_sync import hf_weights, sync_weights
+    from cwgrpo_megatron.megatron.publish import hf_weights, sync_weights
     from cwgrpo_megatron.rollout import get_engine
 
     parallel.initialize(tp=world)

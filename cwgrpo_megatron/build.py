@@ -37,9 +37,11 @@ from cwgrpo_megatron.megatron.conversion import (
     start_arch,
 )
 from cwgrpo_megatron.megatron.model import DTYPES
+from cwgrpo_megatron.megatron.publish import check_engine, sync_plan, sync_weights
 from cwgrpo_megatron.megatron.sync_check import SyncVerifier
 from cwgrpo_megatron.megatron.train_step import build_actor
-from cwgrpo_megatron.megatron.weight_sync import check_engine, sync_plan, sync_weights
+from cwgrpo_megatron.reward import build_reward
+from cwgrpo_megatron.rollout import build_engine
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.run_dir import (
     RunDir,
@@ -150,7 +152,13 @@ def build_trainer(cfg: Config) -> Trainer:
                     f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
                     f"{arch.max_position_embeddings} positions: lower it"
                 )
-            actor = build_actor(cfg, arch, lambda model: load_start_weights(model, arch, path))
+            actor = build_actor(
+                arch,
+                lambda model: load_start_weights(model, arch, path),
+                train=cfg.train,
+                algo=cfg.algo,
+                optim=cfg.optim,
+            )
         engine_dir = path
         if is_megatron_checkpoint(path):  # the engine starts from HF files: export them
             engine_dir = export_hf(
@@ -159,10 +167,16 @@ def build_trainer(cfg: Config) -> Trainer:
         replica = replicas.owned_by(rank)
         with fail_together("starting the rollout engines", group):
             if replica is not None:
-                engine = cfg.engine(str(engine_dir), devices=replicas.devices(replica))
+                engine = build_engine(
+                    cfg.rollout,
+                    str(engine_dir),
+                    dtype=cfg.engine_dtype,
+                    seed=cfg.train.seed,
+                    devices=replicas.devices(replica),
+                )
                 check_engine(engine, arch)  # another model on any node fails before step 1
         if replica is not None:
-            reward = cfg.reward.build(workers=_reward_workers(replicas))
+            reward = build_reward(cfg.reward, workers=_reward_workers(replicas))
         plan = sync_plan(replicas)
         if rank0:
             received = plan.received_bytes(arch, DTYPES[cfg.engine_dtype])

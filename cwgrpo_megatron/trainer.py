@@ -19,6 +19,7 @@ Step k (1-based), on every rank of the job:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -34,9 +35,10 @@ from cwgrpo_megatron.eval.runner import evaluate, write_json
 from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.megatron import parallel, train_checkpoint
 from cwgrpo_megatron.megatron.conversion import export_hf
+from cwgrpo_megatron.megatron.publish import sync_weights
 from cwgrpo_megatron.megatron.train_step import train_step
-from cwgrpo_megatron.megatron.weight_sync import sync_weights
 from cwgrpo_megatron.reward.scoring import score_groups
+from cwgrpo_megatron.rollout import sampling_config
 from cwgrpo_megatron.rollout.base import SamplingConfig, rollout_seed
 from cwgrpo_megatron.run_dir import write_samples
 from cwgrpo_megatron.step_metrics import (
@@ -192,7 +194,8 @@ class Trainer:
         with fail_together("generating the rollouts", world_group()):
             if not prompts.positions:
                 return []
-            n, sampling = self.cfg.train.group_size, self.cfg.sampling()
+            n = self.cfg.train.group_size
+            sampling = sampling_config(self.cfg.rollout, temperature=self.cfg.train.temperature)
             return self.engine.generate(prompts.token_ids, n, sampling, seeds=prompts.seeds)
 
     def score(self, prompts: StepPrompts, groups) -> list:
@@ -262,6 +265,7 @@ class Trainer:
             self.run.checkpoints,
             data_state=data_state,
             keep_last=self.cfg.run.keep_last,
+            config=dataclasses.asdict(self.cfg),
         )
         if self.cfg.run.export_hf == "on_save":
             self.export()

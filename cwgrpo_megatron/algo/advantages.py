@@ -12,10 +12,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cwgrpo_megatron.registry import Registry
+from cwgrpo_megatron.algo.names import ADVANTAGE_ESTIMATORS
 
 AdvantageEstimator = Callable[..., Tensor]
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
 

@@ -16,10 +16,9 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from cwgrpo_megatron.registry import Registry
+from cwgrpo_megatron.algo.names import LOSS_AGGREGATIONS
 
 Aggregation = Callable[..., tuple[Tensor, Tensor]]
-LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
 get_loss_aggregation = LOSS_AGGREGATIONS.get
 
 

@@ -17,10 +17,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cwgrpo_megatron.registry import Registry
+from cwgrpo_megatron.algo.names import KL_ESTIMATORS
 
 KLEstimator = Callable[[Tensor], Tensor]
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 get_kl_estimator = KL_ESTIMATORS.get
 
 

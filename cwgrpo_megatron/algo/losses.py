@@ -45,12 +45,12 @@ from cwgrpo_megatron.algo.metrics import (
     mean_metric,
     weight_metrics,
 )
+from cwgrpo_megatron.algo.names import POLICY_LOSSES
 from cwgrpo_megatron.algo.rollout_correction import rollout_gap_metrics, truncated_is_weight
 from cwgrpo_megatron.algo.scope import Scope
-from cwgrpo_megatron.registry import Registry
 
 if TYPE_CHECKING:
-    from cwgrpo_megatron.config import AlgoConfig
+    from cwgrpo_megatron.algo.config import AlgoConfig
 
 
 @dataclass(kw_only=True)
@@ -209,9 +209,6 @@ def clipped_surrogate(batch: PolicyBatch, adv: Tensor, cfg: AlgoConfig) -> Surro
         per_token = torch.where(dual, -cfg.clip_ratio_c * adv, per_token)
         metrics["clip_frac_dual"] = mean_metric(dual.to(adv.dtype), batch.mask, count)
     return Surrogate(per_token, ratio, ppo | dual, metrics)
-
-
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
 def register_policy_loss(name: str):

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SCOPE_NAMES = ("global", "group", "micro_batch")
-
 
 def _local(sums: Tensor) -> Tensor:
     return sums

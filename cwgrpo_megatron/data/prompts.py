@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from cwgrpo_megatron.registry import Registry
-from cwgrpo_megatron.reward.verify import last_boxed
+from cwgrpo_megatron.data.latex import last_boxed
+from cwgrpo_megatron.data.names import SCHEMAS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,9 +47,6 @@ class LoadStats:
 
 class BadRow(ValueError):
     pass
-
-
-SCHEMAS: Registry = Registry("dataset schema")
 
 
 def _answer_text(value: Any) -> str:

@@ -28,14 +28,13 @@ import random
 from collections.abc import Callable
 from urllib.parse import parse_qs
 
-from cwgrpo_megatron.registry import Registry
+from cwgrpo_megatron.data.names import SYNTHETIC_TASKS
 
 PREFIX = "synthetic:"
 DEFAULT_SIZE = 2000
 _MAX_DRAWS_PER_PROBLEM = 50
 
 Task = Callable[[random.Random], tuple[str, int]]
-SYNTHETIC_TASKS: Registry[Task] = Registry("synthetic task")
 register_task = SYNTHETIC_TASKS.register
 
 

@@ -22,6 +22,11 @@ def world_group() -> Group:
     return None
 
 
+def job_rank() -> int:
+    """This process's rank in the job (0 when it runs alone)."""
+    return rank_in(world_group())
+
+
 def rank_in(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 

@@ -14,7 +14,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from cwgrpo_megatron.algo.scope import SCOPE_NAMES, Scope, pools_from_index
+from cwgrpo_megatron.algo.names import SCOPE_NAMES
+from cwgrpo_megatron.algo.scope import Scope, pools_from_index
 from cwgrpo_megatron.dist.collectives import Group, sum_over
 
 

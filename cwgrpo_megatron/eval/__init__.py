@@ -1,6 +1,7 @@
 """Benchmark evaluation through the rollout engine: avg@n and pass@n per benchmark."""
 
 from cwgrpo_megatron.eval.metrics import pass_at_k
-from cwgrpo_megatron.eval.runner import BENCHMARKS, benchmark_source, evaluate, load_benchmarks
+from cwgrpo_megatron.eval.names import BENCHMARKS
+from cwgrpo_megatron.eval.runner import benchmark_source, evaluate, load_benchmarks
 
 __all__ = ["BENCHMARKS", "benchmark_source", "evaluate", "load_benchmarks", "pass_at_k"]

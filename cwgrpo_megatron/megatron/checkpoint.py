@@ -17,12 +17,12 @@ import os
 import shutil
 from pathlib import Path
 
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.dist.collectives import barrier, job_rank, world_group
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.parallel import layout
 
@@ -66,39 +66,30 @@ class AtomicDir:
     def __enter__(self) -> Path:
         if self.final.exists() and any(self.final.iterdir()) and not self.overwrite:
             raise ValueError(f"{self.final} already exists and is not empty; choose a new path")
-        if rank() == 0:
+        if job_rank() == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp.mkdir(parents=True)
-        barrier()
+        barrier(world_group())
         return self.tmp
 
     def commit(self) -> None:
-        barrier()
-        if rank() == 0:
+        barrier(world_group())
+        if job_rank() == 0:
             if self.final.exists():
                 shutil.rmtree(self.final)
             os.replace(self.tmp, self.final)
-        barrier()
+        barrier(world_group())
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and rank() == 0:
+        if exc_type is not None and job_rank() == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def save_dist(sharded_state: dict, path: Path) -> None:
     """`dist_checkpointing.save` into the new folder `path` (collective; rank 0 creates it)."""
-    if rank() == 0:
+    if job_rank() == 0:
         path.mkdir()
-    barrier()
+    barrier(world_group())
     with on_cpu():
         dist_checkpointing.save(sharded_state, str(path))
 
@@ -129,7 +120,7 @@ def save_model(
     atomic = AtomicDir(ckpt_dir, overwrite=overwrite)
     with atomic as tmp:
         save_dist(model.sharded_state_dict(), tmp / MODEL_DIR)
-        if rank() == 0:
+        if job_rank() == 0:
             meta = {
                 "format_version": FORMAT_VERSION,
                 "arch": arch.to_dict(),

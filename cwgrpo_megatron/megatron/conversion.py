@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import hf_names, stage_params, to_hf
 from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint, write_sharded
-from cwgrpo_megatron.dist import vocab_parallel_logprob_entropy
+from cwgrpo_megatron.dist import job_rank, vocab_parallel_logprob_entropy
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.checkpoint import (
     META_NAME,
@@ -27,7 +27,6 @@ from cwgrpo_megatron.megatron.checkpoint import (
     checkpoint_arch,
     copy_hf_side_files,
     load_model,
-    rank,
     read_meta,
     save_model,
 )
@@ -198,13 +197,13 @@ def export_hf(
     full HF tensors (PP broadcast, TP all-gather: `weight_sync.hf_weights`); rank 0 writes
     them shard by shard, so it holds one shard beyond the model.
     """
-    from cwgrpo_megatron.megatron.weight_sync import hf_weights, in_engine_group
+    from cwgrpo_megatron.megatron.publish import hf_weights, in_engine_group
 
     atomic = AtomicDir(out, overwrite=True)
     with atomic as tmp:
         if in_engine_group():
             stream = hf_weights(model, arch, dtype=dtype)
-            if rank() == 0:
+            if job_rank() == 0:
                 write_sharded(stream, tmp, max_shard_bytes=max_shard_bytes)
                 copy_hf_side_files(side_files_from, tmp)
                 _set_config_dtype(tmp / "config.json", dtype)

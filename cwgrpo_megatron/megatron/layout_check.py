@@ -21,8 +21,8 @@ from cwgrpo_megatron.convert.symmetry import ChannelPermutation
 from cwgrpo_megatron.data.batching import synthetic_batch
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.model import load_hf_weights
+from cwgrpo_megatron.megatron.publish import hf_weights, in_engine_group
 from cwgrpo_megatron.megatron.train_step import build_actor, param_checksum, train_step
-from cwgrpo_megatron.megatron.weight_sync import hf_weights, in_engine_group
 
 TINY_QWEN2 = dict(
     hidden_size=64,
@@ -80,7 +80,14 @@ def tiny_trainer(
     if init_parallel:
         parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
     try:
-        return build_actor(cfg, arch, lambda model: load_hf_weights(model, arch, get)), arch
+        actor = build_actor(
+            arch,
+            lambda model: load_hf_weights(model, arch, get),
+            train=cfg.train,
+            algo=cfg.algo,
+            optim=cfg.optim,
+        )
+        return actor, arch
     except BaseException:
         if init_parallel:
             parallel.destroy()

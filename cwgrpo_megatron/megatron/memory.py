@@ -81,6 +81,8 @@ def micro_batch_saved_bytes(model, batch, cfg, arch) -> int:
     )
     with on_cpu(), saved_activations(model) as counted:
         logits = model(batch.tokens, batch.position_ids, attention_mask=None)
-        out = micro_batch_loss(logits, inputs, cfg, arch)
+        out = micro_batch_loss(
+            logits, inputs, cfg.algo, temperature=cfg.train.temperature, arch=arch
+        )
         del out
     return counted["bytes"]

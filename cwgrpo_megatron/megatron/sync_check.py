@@ -30,8 +30,7 @@ from cwgrpo_megatron.dist import (
 from cwgrpo_megatron.dist.collectives import barrier
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
-from cwgrpo_megatron.megatron.train_step import train_step
-from cwgrpo_megatron.megatron.weight_sync import (
+from cwgrpo_megatron.megatron.publish import (
     ENGINE_RANK,
     hf_weights,
     in_engine_group,
@@ -39,6 +38,7 @@ from cwgrpo_megatron.megatron.weight_sync import (
     sync_weights,
     unwrap,
 )
+from cwgrpo_megatron.megatron.train_step import train_step
 
 
 def process_tree_rss_mb() -> float:

@@ -15,7 +15,6 @@ in another layout); elsewhere a warning says they were not.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
@@ -27,7 +26,8 @@ import numpy as np
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from cwgrpo_megatron.megatron.checkpoint import AtomicDir, barrier, load_dist, rank, save_dist
+from cwgrpo_megatron.dist.collectives import barrier, job_rank, world_group
+from cwgrpo_megatron.megatron.checkpoint import AtomicDir, load_dist, save_dist
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.parallel import layout
 from cwgrpo_megatron.megatron.train_step import Actor
@@ -38,13 +38,13 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _sharded_state(trainer: Actor, *, is_loading: bool) -> dict:
+def _sharded_state(actor: Actor, *, is_loading: bool) -> dict:
     # the distributed optimizer gathers its state here, with CUDA-only calls
     with on_cpu():
-        model_sd = trainer.model.module.sharded_state_dict()
-        if is_loading and trainer.cfg.optim.use_distributed_optimizer:
-            _ensure_optimizer_state(trainer.optimizer)
-        optim_sd = trainer.optimizer.sharded_state_dict(
+        model_sd = actor.model.module.sharded_state_dict()
+        if is_loading and actor.optim.use_distributed_optimizer:
+            _ensure_optimizer_state(actor.optimizer)
+        optim_sd = actor.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=SHARDING
         )
     return {"model": model_sd, "optimizer": optim_sd}
@@ -118,56 +118,65 @@ def latest(root: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def save(trainer: Actor, root: str | Path, *, data_state: dict, keep_last: int = 2) -> Path:
-    """Write ROOT/step_<trainer.step> (collective over all ranks) and prune old ones."""
-    path = Path(root) / f"step_{trainer.step:08d}"
+def save(
+    actor: Actor,
+    root: str | Path,
+    *,
+    data_state: dict,
+    keep_last: int = 2,
+    config: dict | None = None,
+) -> Path:
+    """Write ROOT/step_<actor.step> (collective over all ranks) and prune old ones. `config`
+    (the run's resolved config, as a dict) is kept beside the state for readers of the
+    checkpoint; nothing here reads it back."""
+    path = Path(root) / f"step_{actor.step:08d}"
     atomic = AtomicDir(path, overwrite=True)
     with atomic as tmp:
-        if rank() == 0:
+        if job_rank() == 0:
             (tmp / "rng").mkdir()
-        save_dist(_sharded_state(trainer, is_loading=False), tmp / "model")
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
-        if rank() == 0:
+        save_dist(_sharded_state(actor, is_loading=False), tmp / "model")
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{job_rank():05d}.pt")
+        if job_rank() == 0:
             state = {
-                "step": trainer.step,
-                "skipped_steps": trainer.skipped_steps,
+                "step": actor.step,
+                "skipped_steps": actor.skipped_steps,
                 "data_state": data_state,
-                "scheduler": trainer.scheduler.state_dict(),
+                "scheduler": actor.scheduler.state_dict(),
                 "layout": layout(),
-                "use_distributed_optimizer": trainer.cfg.optim.use_distributed_optimizer,
-                "config": dataclasses.asdict(trainer.cfg),
+                "use_distributed_optimizer": actor.optim.use_distributed_optimizer,
+                "config": config,
             }
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=2, default=str) + "\n")
         atomic.commit()
-    if rank() == 0:
+    if job_rank() == 0:
         for old in step_dirs(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    barrier()
+    barrier(world_group())
     return atomic.final
 
 
-def load(trainer: Actor, ckpt: str | Path) -> dict:
-    """Restore `trainer` from `ckpt`; returns the saved data position."""
+def load(actor: Actor, ckpt: str | Path) -> dict:
+    """Restore `actor` from `ckpt`; returns the saved data position."""
     ckpt = Path(ckpt)
     state_path = ckpt / STATE_NAME
     if not state_path.is_file():
         raise ValueError(f"{state_path} is missing: {ckpt} is not a complete training checkpoint")
     state = json.loads(state_path.read_text())
     saved_dist_opt = state["use_distributed_optimizer"]
-    if saved_dist_opt != trainer.cfg.optim.use_distributed_optimizer:
+    if saved_dist_opt != actor.optim.use_distributed_optimizer:
         raise ValueError(
             f"{ckpt} was saved with optim.use_distributed_optimizer={saved_dist_opt}, this run "
-            f"uses {trainer.cfg.optim.use_distributed_optimizer}: their optimizer states are "
+            f"uses {actor.optim.use_distributed_optimizer}: their optimizer states are "
             f"not interchangeable; set optim.use_distributed_optimizer={saved_dist_opt}"
         )
-    loaded = load_dist(_sharded_state(trainer, is_loading=True), ckpt / "model")
-    trainer.model.module.load_state_dict(loaded["model"], strict=True)
-    _load_optimizer(trainer.optimizer, loaded["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.step = state["step"]
-    trainer.skipped_steps = state["skipped_steps"]
+    loaded = load_dist(_sharded_state(actor, is_loading=True), ckpt / "model")
+    actor.model.module.load_state_dict(loaded["model"], strict=True)
+    _load_optimizer(actor.optimizer, loaded["optimizer"])
+    actor.scheduler.load_state_dict(state["scheduler"])
+    actor.step = state["step"]
+    actor.skipped_steps = state["skipped_steps"]
     if state["layout"] == layout():
-        rng = torch.load(ckpt / "rng" / f"rank_{rank():05d}.pt", weights_only=False)
+        rng = torch.load(ckpt / "rng" / f"rank_{job_rank():05d}.pt", weights_only=False)
         _set_rng_state(rng)
     else:
         log.warning(

@@ -43,8 +43,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
+from cwgrpo_megatron.algo.config import AlgoConfig
 from cwgrpo_megatron.algo.metrics import Metrics, finalize, histograms, merge
-from cwgrpo_megatron.config import Config
+from cwgrpo_megatron.config import OptimConfig, TrainConfig
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.data.batching import MicroBatch, TrainBatch
 from cwgrpo_megatron.dist import (
@@ -73,7 +74,11 @@ def device() -> torch.device:
 
 @dataclass
 class Actor:
-    cfg: Config
+    """The policy being trained on this rank, with the settings its step reads."""
+
+    train: TrainConfig
+    algo: AlgoConfig
+    optim: OptimConfig
     arch: ModelArch
     model: DistributedDataParallel
     optimizer: object
@@ -102,12 +107,19 @@ class StepResult:
     """Micro-batches of the update, summed over data-parallel ranks."""
 
 
-def build_actor(cfg: Config, arch: ModelArch, load_weights) -> Actor:
+def build_actor(
+    arch: ModelArch,
+    load_weights,
+    *,
+    train: TrainConfig,
+    algo: AlgoConfig,
+    optim: OptimConfig,
+) -> Actor:
     """Model (loaded by `load_weights(model)`), DDP, optimizer and LR schedule on this rank."""
-    dtype = DTYPES[cfg.train.params_dtype]
+    dtype = DTYPES[train.params_dtype]
     # packed micro-batches differ in shape: pipeline stages then exchange shapes first
     variable = {}
-    if cfg.train.max_tokens_per_micro_batch is not None:
+    if train.max_tokens_per_micro_batch is not None:
         # the dispatcher is MoE's (unused here); Megatron refuses its default beside the flag
         variable = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
     model = build_model(
@@ -115,26 +127,26 @@ def build_actor(cfg: Config, arch: ModelArch, load_weights) -> Actor:
         params_dtype=dtype,
         calculate_per_token_loss=True,
         **variable,
-        **cfg.train.recompute_overrides(),
+        **train.recompute_overrides(),
     )
     load_weights(model)
     ref_model = None
-    if cfg.algo.kl_beta > 0:
+    if algo.kl_beta > 0:
         ref_model = build_model(arch, params_dtype=dtype, perform_initialization=False, **variable)
         ref_model.load_state_dict(model.state_dict())
         ref_model.eval().requires_grad_(False)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     with on_cpu():
         ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        optimizer = get_megatron_optimizer(_optimizer_config(cfg), [ddp])
+        optimizer = get_megatron_optimizer(_optimizer_config(optim, train.params_dtype), [ddp])
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.no_sync_func = ddp.no_sync
     model.config.grad_scale_func = optimizer.scale_loss
-    o, total = cfg.optim, cfg.train.total_steps
+    o, total = optim, train.total_steps
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if o.warmup_ratio > 0 else o.lr,
@@ -148,11 +160,10 @@ def build_actor(cfg: Config, arch: ModelArch, load_weights) -> Actor:
         wd_incr_steps=total,
         wd_incr_style="constant",
     )
-    return Actor(cfg, arch, ddp, optimizer, scheduler, ref_model)
+    return Actor(train, algo, optim, arch, ddp, optimizer, scheduler, ref_model)
 
 
-def _optimizer_config(cfg: Config) -> OptimizerConfig:
-    o = cfg.optim
+def _optimizer_config(o: OptimConfig, params_dtype: str) -> OptimizerConfig:
     return OptimizerConfig(
         optimizer=o.optimizer,
         lr=o.lr,
@@ -163,8 +174,8 @@ def _optimizer_config(cfg: Config) -> OptimizerConfig:
         adam_eps=o.adam_eps,
         sgd_momentum=0.0,
         clip_grad=o.clip_grad,
-        bf16=cfg.train.params_dtype == "bfloat16",
-        params_dtype=DTYPES[cfg.train.params_dtype],
+        bf16=params_dtype == "bfloat16",
+        params_dtype=DTYPES[params_dtype],
         use_distributed_optimizer=o.use_distributed_optimizer,
     )
 
@@ -172,32 +183,31 @@ def _optimizer_config(cfg: Config) -> OptimizerConfig:
 # ---- the pieces of a step ------------------------------------------------------------------
 
 
-def label_logprobs(logits, labels, cfg: Config, arch: ModelArch):
+def label_logprobs(logits, labels, *, temperature: float, arch: ModelArch):
     """(logp, entropy) `[b, s]` of `labels` under this rank's logits shard `[b, s, V/tp]` at the
     sampling temperature (reductions over the TP group)."""
     return vocab_parallel_logprob_entropy(
         logits,
         labels,
         group=parallel_state.get_tensor_model_parallel_group(),
-        temperature=cfg.train.temperature,
+        temperature=temperature,
         vocab_size=arch.vocab_size,
     )
 
 
-def micro_batches(local: TrainBatch, cfg: Config) -> list[MicroBatch]:
+def micro_batches(local: TrainBatch, t: TrainConfig) -> list[MicroBatch]:
     """This shard's micro-batches: blocks of train.micro_batch_size rows, or rows packed up to
     train.max_tokens_per_micro_batch tokens."""
-    t = cfg.train
     return local.micro_batches(size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch)
 
 
-def logprobs(model, local: TrainBatch, plan: list[MicroBatch], cfg: Config, arch: ModelArch):
+def logprobs(model, local: TrainBatch, plan: list[MicroBatch], *, temperature: float, arch):
     """(logp, entropy) `[b, s]` of the labels at the sampling temperature, in `local`'s row
     order (0 past a packed row's micro-batch length); last stage only."""
     micro = [local.gather(m) for m in plan]
 
     def score(logits, i):
-        return label_logprobs(logits, micro[i].labels, cfg, arch)
+        return label_logprobs(logits, micro[i].labels, temperature=temperature, arch=arch)
 
     out = forward_only(model, [m.tokens for m in micro], score)
     if out is None:
@@ -230,12 +240,14 @@ class MicroInputs:
     ref_logp: torch.Tensor | None
 
 
-def micro_batch_loss(output_tensor: torch.Tensor, micro: MicroInputs, cfg: Config, arch):
+def micro_batch_loss(
+    output_tensor: torch.Tensor, micro: MicroInputs, algo: AlgoConfig, *, temperature: float, arch
+):
     """The policy loss of one micro-batch from this rank's logits shard `[m, length, V/tp]`
     (`algo.losses.LossOutput`)."""
     b = micro.batch
-    logp, entropy = label_logprobs(output_tensor, b.labels, cfg, arch)
-    return get_policy_loss(cfg.algo.policy_loss)(
+    logp, entropy = label_logprobs(output_tensor, b.labels, temperature=temperature, arch=arch)
+    return get_policy_loss(algo.policy_loss)(
         PolicyBatch(
             logp=logp,
             old_logp=micro.old_logp,
@@ -246,22 +258,24 @@ def micro_batch_loss(output_tensor: torch.Tensor, micro: MicroInputs, cfg: Confi
             entropy=entropy.detach(),
             rollout_logp=b.rollout_logp,
         ),
-        cfg.algo,
+        algo,
     )
 
 
-def _loss_func(micro: MicroInputs, trainer: Actor, output_tensor: torch.Tensor):
-    out = micro_batch_loss(output_tensor, micro, trainer.cfg, trainer.arch)
+def _loss_func(micro: MicroInputs, actor: Actor, output_tensor: torch.Tensor):
+    out = micro_batch_loss(
+        output_tensor, micro, actor.algo, temperature=actor.train.temperature, arch=actor.arch
+    )
     # the schedule divides loss_sum in place: report copies
     report = {"loss_sum": out.loss_sum.detach().clone(), "count": out.num_tokens.detach().clone()}
     return out.loss_sum, out.num_tokens.to(torch.int), {**report, "metrics": out.metrics}
 
 
-def _forward_backward(trainer: Actor, micro: list[MicroInputs]) -> list[dict]:
+def _forward_backward(actor: Actor, micro: list[MicroInputs]) -> list[dict]:
     def forward_step(data_iterator, model_chunk):
         m = next(data_iterator)
         output = model_chunk(m.batch.tokens, m.batch.position_ids, attention_mask=None)
-        return output, partial(_loss_func, m, trainer)
+        return output, partial(_loss_func, m, actor)
 
     # with packed micro-batches the shapes vary: the pipeline then sends them first
     # (variable_seq_lengths); these are the largest, as the schedule's buffers need
@@ -271,7 +285,7 @@ def _forward_backward(trainer: Actor, micro: list[MicroInputs]) -> list[dict]:
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro),
-            model=[trainer.model],
+            model=[actor.model],
             num_microbatches=len(micro),
             seq_length=s,
             micro_batch_size=mbs,
@@ -279,11 +293,11 @@ def _forward_backward(trainer: Actor, micro: list[MicroInputs]) -> list[dict]:
         )
 
 
-def _grads_finite(trainer: Actor) -> bool:
+def _grads_finite(actor: Actor) -> bool:
     """True when every gradient on every rank is finite: device-side checks, one MAX
     all-reduce of 1 scalar, one host sync."""
     grads = [
-        p.main_grad for p in trainer.model.parameters() if getattr(p, "main_grad", None) is not None
+        p.main_grad for p in actor.model.parameters() if getattr(p, "main_grad", None) is not None
     ]
     bad = torch.zeros((), dtype=torch.float32, device=device())
     if grads:
@@ -295,7 +309,7 @@ def _grads_finite(trainer: Actor) -> bool:
 
 
 def train_step(
-    trainer: Actor, rollout: TrainBatch, *, timer: PhaseTimer | None = None
+    actor: Actor, rollout: TrainBatch, *, timer: PhaseTimer | None = None
 ) -> list[StepResult]:
     """All PPO mini-batch updates of one rollout batch; one StepResult per optimizer step.
 
@@ -303,41 +317,36 @@ def train_step(
     forward-only passes (old, statistics and reference log-probs) as "old_logp" and the
     training passes and optimizer steps as "train".
     """
-    cfg = trainer.cfg
     timer = timer or PhaseTimer()
     rollout = rollout.to(device())
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    mini_batches = [m.shard(dp_rank, dp_size) for m in rollout.split(cfg.train.ppo_mini_batches)]
-    plans = [micro_batches(m, cfg) for m in mini_batches]
-    arch = trainer.arch
+    mini_batches = [m.shard(dp_rank, dp_size) for m in rollout.split(actor.train.ppo_mini_batches)]
+    plans = [micro_batches(m, actor.train) for m in mini_batches]
+    score = partial(logprobs, temperature=actor.train.temperature, arch=actor.arch)
     # l_old of every mini-batch comes from the policy before this rollout's first update
     with timer("old_logp"):
-        old = [
-            logprobs(trainer.model, m, plan, cfg, arch)[0]
-            for m, plan in zip(mini_batches, plans, strict=True)
-        ]
+        old = [score(actor.model, m, plan)[0] for m, plan in zip(mini_batches, plans, strict=True)]
     results = []
     for k, (local, plan) in enumerate(zip(mini_batches, plans, strict=True)):
         with timer("old_logp"):
             # the statistics are those of the policy about to be updated
-            policy_logp = old[k] if k == 0 else logprobs(trainer.model, local, plan, cfg, arch)[0]
+            policy_logp = old[k] if k == 0 else score(actor.model, local, plan)[0]
             ref_logp = None
-            if trainer.ref_model is not None:
-                ref_logp = logprobs(trainer.ref_model, local, plan, cfg, arch)[0]
+            if actor.ref_model is not None:
+                ref_logp = score(actor.ref_model, local, plan)[0]
         with timer("train"):
-            results.append(_update(trainer, local, plan, old[k], policy_logp, ref_logp))
+            results.append(_update(actor, local, plan, old[k], policy_logp, ref_logp))
     return results
 
 
-def _update(trainer, local, plan, old_logp, policy_logp, ref_logp) -> StepResult:
-    cfg = trainer.cfg
+def _update(actor: Actor, local, plan, old_logp, policy_logp, ref_logp) -> StepResult:
     last = parallel_state.is_pipeline_last_stage()
     dev = device()
     token_stat, prepared_metrics = None, {}
     if last:
         scope = make_scope(
-            cfg.algo.cov_scope,
+            actor.algo.cov_scope,
             batch_size=local.rows,
             group=parallel_state.get_data_parallel_group(),
             prompt_index=local.prompt_index,
@@ -347,13 +356,13 @@ def _update(trainer, local, plan, old_logp, policy_logp, ref_logp) -> StepResult
             + torch.arange(local.rows, device=dev),
             device=dev,
         )
-        generator = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + trainer.step)
-        prepared = get_policy_loss(cfg.algo.policy_loss).prepare(
+        generator = torch.Generator().manual_seed(actor.train.seed * 1_000_003 + actor.step)
+        prepared = get_policy_loss(actor.algo.policy_loss).prepare(
             policy_logp,
             local.advantages,
             local.loss_mask,
             scope=scope,
-            cfg=cfg.algo,
+            cfg=actor.algo,
             old_logp=old_logp,
             generator=generator,
         )
@@ -368,22 +377,22 @@ def _update(trainer, local, plan, old_logp, policy_logp, ref_logp) -> StepResult
             strict=True,
         )
     ]
-    trainer.model.zero_grad_buffer()
-    trainer.optimizer.zero_grad()
-    outputs = _forward_backward(trainer, micro_inputs)
+    actor.model.zero_grad_buffer()
+    actor.optimizer.zero_grad()
+    outputs = _forward_backward(actor, micro_inputs)
     padded = float(sum(m.padded_tokens for m in plan))
     totals, metrics, hists = _reduce_outputs(outputs, prepared_metrics, last, (padded, len(plan)))
-    finite = _grads_finite(trainer)
+    finite = _grads_finite(actor)
     grad_norm = float("nan")
-    lr = float(trainer.optimizer.param_groups[0]["lr"])
+    lr = float(actor.optimizer.param_groups[0]["lr"])
     if finite:
         with on_cpu():
-            _, grad_norm, _ = trainer.optimizer.step()
-        trainer.scheduler.step(increment=1)
+            _, grad_norm, _ = actor.optimizer.step()
+        actor.scheduler.step(increment=1)
     else:
-        trainer.skipped_steps += 1
-        log.warning("step %d skipped: non-finite gradient", trainer.step)
-    trainer.step += 1
+        actor.skipped_steps += 1
+        log.warning("step %d skipped: non-finite gradient", actor.step)
+    actor.step += 1
     return StepResult(
         loss=totals["loss"],
         grad_norm=float(grad_norm),

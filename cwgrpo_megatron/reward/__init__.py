@@ -31,12 +31,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cwgrpo_megatron.registry import Registry
+from cwgrpo_megatron.reward.config import RewardConfig
+from cwgrpo_megatron.reward.names import REWARDS, VERIFIERS
 from cwgrpo_megatron.reward.pool import TimeoutPool
 from cwgrpo_megatron.reward.repetition import repeated_ngram_fraction
 from cwgrpo_megatron.reward.verify import VerifyStats, verify_one
 
-REWARDS: Registry[type] = Registry("reward")
 register_reward = REWARDS.register
 
 
@@ -248,9 +248,6 @@ class IntegerAnswerReward(Reward):
         return scores
 
 
-VERIFIERS = ("accuracy", "integer_answer")
-
-
 @dataclass(frozen=True)
 class RewardScores:
     total: list[float]
@@ -340,6 +337,20 @@ class WeightedReward(Reward):
             reward.close()
 
 
+def build_reward(cfg: RewardConfig, *, workers: int | None = None) -> WeightedReward:
+    """The WeightedReward that `cfg` (a run's `reward` settings) describes; it holds worker
+    processes: close it. `workers` replaces reward.workers = 0 (one per core) where several
+    ranks share a node."""
+    return WeightedReward(
+        dict(cfg.weights),
+        workers=cfg.workers or workers,
+        timeout_s=cfg.timeout_s,
+        verifier=cfg.verifier,
+        cosine_length={"max_len": cfg.cosine_max_len},
+        repetition={"ngram": cfg.repetition_ngram, "max_penalty": cfg.repetition_max_penalty},
+    )
+
+
 __all__ = [
     "REWARDS",
     "Reward",
@@ -347,6 +358,7 @@ __all__ = [
     "RewardScores",
     "VERIFIERS",
     "WeightedReward",
+    "build_reward",
     "get_reward",
     "register_reward",
 ]

@@ -9,26 +9,11 @@ A verification that times out, fails to parse or raises scores 0 and is counted,
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
+from cwgrpo_megatron.data.latex import last_boxed
+
 THINK_END = "</think>"
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (balanced braces), or None."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-    return None
 
 
 def answer_region(completion: str) -> str:

@@ -3,18 +3,21 @@
     engine = get_engine("vllm")(model_dir, dtype="float32", max_model_len=1024, seed=0)
     groups = engine.generate(prompt_ids, n=8, sampling=SamplingConfig(temperature=0.7))
 
-Backends are imported only when asked for, so `import cwgrpo_megatron` never loads vLLM.
+`build_engine(rollout_cfg, model_dir, dtype=..., seed=...)` starts the engine that a run's
+`rollout` settings describe. Backends are imported only when asked for, so
+`import cwgrpo_megatron` never loads vLLM.
 """
 
-from cwgrpo_megatron.registry import Registry
+from collections.abc import Sequence
+
 from cwgrpo_megatron.rollout.base import (
     Completion,
     RolloutEngine,
     RolloutGroup,
     SamplingConfig,
 )
-
-ROLLOUT_BACKENDS: Registry = Registry("rollout backend")
+from cwgrpo_megatron.rollout.config import RolloutConfig
+from cwgrpo_megatron.rollout.names import ROLLOUT_BACKENDS
 
 
 @ROLLOUT_BACKENDS.register("vllm")
@@ -36,11 +39,57 @@ def get_engine(name: str) -> type:
     return ROLLOUT_BACKENDS.get(name)()
 
 
+def build_engine(
+    cfg: RolloutConfig,
+    model_dir: str,
+    *,
+    dtype: str,
+    seed: int,
+    devices: Sequence[int] | None = None,
+) -> RolloutEngine:
+    """Start the engine `cfg` describes on `model_dir` (an HF checkpoint folder), in `dtype`,
+    seeded with `seed`, on the GPUs `devices` of this node (vllm; None: vLLM's choice)."""
+    common = dict(
+        dtype=dtype,
+        seed=seed,
+        max_model_len=cfg.max_model_len,
+        long_prompt=cfg.long_prompt,
+    )
+    if cfg.backend != "vllm":
+        return get_engine(cfg.backend)(model_dir, **common)
+    return get_engine("vllm")(
+        model_dir,
+        **common,
+        in_process=cfg.in_process,
+        kv_cache_bytes=cfg.kv_cache_mb << 20,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enable_sleep_mode=cfg.enable_sleep_mode,
+        enforce_eager=cfg.enforce_eager,
+        shm_dir=cfg.shm_dir,
+        tensor_parallel_size=cfg.tp,
+        devices=devices,
+    )
+
+
+def sampling_config(cfg: RolloutConfig, *, temperature: float, seed: int | None = None):
+    """A rollout's sampling parameters: the trainer's temperature (train.temperature: one value
+    for both sides), `cfg`'s truncation and length."""
+    return SamplingConfig(
+        temperature=temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_tokens=cfg.max_tokens,
+        seed=seed,
+    )
+
+
 __all__ = [
     "ROLLOUT_BACKENDS",
     "Completion",
     "RolloutEngine",
     "RolloutGroup",
     "SamplingConfig",
+    "build_engine",
     "get_engine",
+    "sampling_config",
 ]

@@ -22,12 +22,12 @@ from torch import Tensor
 
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import hf_shapes
+from cwgrpo_megatron.rollout.names import LONG_PROMPT_POLICIES
 from cwgrpo_megatron.weight_sync.shm import SharedWeights
 
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length")
-LONG_PROMPT_POLICIES = ("error", "truncate")
 ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

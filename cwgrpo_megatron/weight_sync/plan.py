@@ -1,9 +1,9 @@
 """Who writes which shard into which node's engine buffers, and what crosses the network.
 
-Every node with an engine (`rollout.replicas.Replicas`) needs the whole model in each of its
-engines' shared-memory buffers (`weight_sync.shm`). A shard is what one rank holds: the
-parameters of pipeline stage s at tensor-parallel rank t, key (s, t). For each such node n and
-each key:
+Every node with an engine (a `Placement`, such as `rollout.replicas.Replicas`) needs the whole
+model in each of its engines' shared-memory buffers (`weight_sync.shm`). A shard is what one
+rank holds: the parameters of pipeline stage s at tensor-parallel rank t, key (s, t). For each
+such node n and each key:
 
     a rank of n holds (s, t)   its first holder on n writes it into n's buffers: shared memory,
                                nothing crosses the network (every key, when PP and TP lie
@@ -17,22 +17,33 @@ receives, per sync, the bytes of the shards it lacks in the engine dtype (`recei
 nothing is sent twice to a node. A tied output layer is never sent: the embedding's writer
 covers it; a replicated parameter (a norm) only from tensor-parallel rank 0.
 
-Pure bookkeeping: `megatron.weight_sync` gathers the ranks' places and runs the plan.
+Pure bookkeeping: `megatron.publish` gathers the ranks' places and runs the plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
 from cwgrpo_megatron.convert.mapping import StageParam, megatron_shape, stage_params
 
-if TYPE_CHECKING:
-    from cwgrpo_megatron.rollout.replicas import Replicas
+
+class Placement(Protocol):
+    """Where the engines are, as the plan reads it (`rollout.replicas.Replicas` is one)."""
+
+    @property
+    def nodes(self) -> Sequence[int]:
+        """The node (0, 1, ...) of every global rank."""
+        ...
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """The global ranks that own an engine."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ class Transfer:
 
 @dataclass(frozen=True)
 class SyncPlan:
-    replicas: Replicas
+    replicas: Placement
     places: tuple[Place, ...]
     """The shard of every global rank."""
     writers: frozenset[int]
@@ -66,7 +77,7 @@ class SyncPlan:
     pp: int
 
     @classmethod
-    def build(cls, replicas: Replicas, places: Sequence[Place]) -> SyncPlan:
+    def build(cls, replicas: Placement, places: Sequence[Place]) -> SyncPlan:
         places = tuple(places)
         tp = 1 + max(p.tp_rank for p in places)
         pp = 1 + max(p.stage for p in places)

@@ -48,7 +48,9 @@ def _measure_states(rank, world):
                         "optim.lr=1e-3",
                     ]
                 )
-                actor = build_actor(cfg, arch, lambda model: None)
+                actor = build_actor(
+                    arch, lambda model: None, train=cfg.train, algo=cfg.algo, optim=cfg.optim
+                )
                 actor.model.zero_grad_buffer()
                 actor.optimizer.zero_grad()
                 with on_cpu():

@@ -29,7 +29,7 @@ def _fill(rank, world_size, hf_dir, tp, pp, per_node, shm_dir):
     from cwgrpo_megatron.dist.collectives import barrier
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
-    from cwgrpo_megatron.megatron.weight_sync import fill_buffers, sync_plan
+    from cwgrpo_megatron.megatron.publish import fill_buffers, sync_plan
     from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.weight_sync import shm
 

@@ -60,8 +60,8 @@ def test_engine_scores_like_trainer_after_each_sync(request, tp, pp, backend, ro
 def _planted(rank, world_size, hf_dir, backend):
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
+    from cwgrpo_megatron.megatron.publish import sync_weights, unwrap
     from cwgrpo_megatron.megatron.sync_check import start_engine
-    from cwgrpo_megatron.megatron.weight_sync import sync_weights, unwrap
     from cwgrpo_megatron.rollout import SamplingConfig
 
     cfg = layout_config(
@@ -106,7 +106,7 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
     from cwgrpo_megatron.dist.collectives import barrier, broadcast_object
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
-    from cwgrpo_megatron.megatron.weight_sync import fill_buffers, hf_weights, sync_plan
+    from cwgrpo_megatron.megatron.publish import fill_buffers, hf_weights, sync_plan
     from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.weight_sync import shm
 
@@ -155,9 +155,10 @@ def _rollout_then_train(rank, world_size, hf_dir, backend):
     from cwgrpo_megatron.data.batching import batch_from_rollouts
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
+    from cwgrpo_megatron.megatron.publish import sync_weights
     from cwgrpo_megatron.megatron.sync_check import start_engine
     from cwgrpo_megatron.megatron.train_step import train_step
-    from cwgrpo_megatron.megatron.weight_sync import sync_weights
+    from cwgrpo_megatron.rollout import sampling_config
 
     cfg = layout_config(
         tp=1,
@@ -174,7 +175,8 @@ def _rollout_then_train(rank, world_size, hf_dir, backend):
     try:
         metrics = []
         for step in range(2):
-            groups = engine.generate([[5, 6, 7], [9, 10]], 4, cfg.sampling(seed=step))
+            sampling = sampling_config(cfg.rollout, temperature=cfg.train.temperature, seed=step)
+            groups = engine.generate([[5, 6, 7], [9, 10]], 4, sampling)
             rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0]])
             batch = batch_from_rollouts(groups, rewards, seq_len=10)
             (result,) = train_step(trainer, batch)
@@ -217,7 +219,7 @@ def _refused_engine(rank, world_size, hf_dir, engine_dir, shm_dir):
     from cwgrpo_megatron.dist import PeerFailure
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
-    from cwgrpo_megatron.megatron.weight_sync import sync_weights
+    from cwgrpo_megatron.megatron.publish import sync_weights
     from cwgrpo_megatron.rollout import get_engine
 
     cfg = layout_config(
@@ -280,9 +282,9 @@ def _verify(rank, world_size, hf_dir):
     from cwgrpo_megatron.data.batching import synthetic_batch
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
+    from cwgrpo_megatron.megatron.publish import sync_weights
     from cwgrpo_megatron.megatron.sync_check import SyncMismatchError, start_engine, verify_sync
     from cwgrpo_megatron.megatron.train_step import train_step
-    from cwgrpo_megatron.megatron.weight_sync import sync_weights
 
     cfg = layout_config(
         tp=2, pp=1, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size

@@ -146,7 +146,9 @@ def test_reward_weights_are_a_typed_mapping():
         load_config(overrides=["reward.weights={}"])
 
 
-def test_reward_config_builds_the_weighted_sum():
+def test_reward_settings_build_the_weighted_sum():
+    from cwgrpo_megatron.reward import build_reward
+
     cfg = load_config(overrides=["reward.weights={format: 2.0}"]).reward
-    with cfg.build() as reward:
+    with build_reward(cfg) as reward:
         assert reward(completions=["a\n</think>\nb", "a"], answers=["", ""]) == [2.0, 0.0]

@@ -51,6 +51,7 @@ def test_checked_weights_passes_a_complete_update_through():
 
 def test_rollout_config_builds_the_engine_and_sampling(hf_dir):
     from cwgrpo_megatron.config import load_config
+    from cwgrpo_megatron.rollout import build_engine, sampling_config
 
     cfg = load_config(
         overrides=[
@@ -62,9 +63,9 @@ def test_rollout_config_builds_the_engine_and_sampling(hf_dir):
             "train.temperature=0.6",
         ]
     )
-    sampling = cfg.sampling(seed=3)
+    sampling = sampling_config(cfg.rollout, temperature=cfg.train.temperature, seed=3)
     assert (sampling.temperature, sampling.top_p, sampling.max_tokens) == (0.6, 0.9, 8)
-    engine = cfg.engine(hf_dir)
+    engine = build_engine(cfg.rollout, hf_dir, dtype=cfg.engine_dtype, seed=cfg.train.seed)
     assert engine.max_model_len == 64 and len(engine.generate([[1, 2]], 2, sampling)) == 1
     for bad, message in (
         ("rollout.backend=sglang", "choose one of: torch, vllm"),

@@ -1,4 +1,6 @@
-"""Weight sync from the Megatron model into the rollout engines, and the log-prob check.
+"""The Megatron side of the weight sync: this rank's shards published into the rollout
+engines, and the log-prob check. (The `weight_sync` package holds what does not touch Megatron:
+the plan, the shared-memory buffers and the HF export of a shard.)
 
 One engine per replica (`rollout.replicas.Replicas`), owned by the first rank of its group;
 with one replica that is global rank 0 (`ENGINE_RANK`). Per sync, every engine gets the whole

@@ -1,0 +1,108 @@
+"""The algorithm's settings (DESIGN section 1): loss, advantages, scopes, clipping, KL."""
+
+from dataclasses import dataclass
+
+from cwgrpo_megatron.algo.names import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    SCOPE_NAMES,
+)
+from cwgrpo_megatron.settings import check_choice, check_range
+
+
+@dataclass(kw_only=True, frozen=True)
+class AlgoConfig:
+    """The policy-gradient algorithm (DESIGN section 1)."""
+
+    policy_loss: str = "cw_grpo"
+    """Policy loss: grpo, cw_grpo, clip_cov or kl_cov."""
+    advantage_estimator: str = "grpo"
+    """Group advantage estimator (registry name)."""
+    adv_std_normalize: bool = True
+    """Divide group-centred rewards by the group std (GRPO); false gives Dr.GRPO advantages."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    cov_scope: str = "global"
+    """Token pool of the covariance statistics: global, group or micro_batch (layout-dependent)."""
+    clip_eps_low: float = 0.2
+    """PPO ratio clip below: rho >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """PPO ratio clip above: rho <= 1 + clip_eps_high."""
+    clip_ratio_c: float | None = None
+    """Dual-clip PPO (grpo, cw_grpo, clip_cov): a token with A < 0 has loss at most -A * C,
+    however large rho grows. None disables it; verl's default is 3. Must be > 1."""
+    log_ratio_clamp: float = 20.0
+    """log rho = l - l_old and the KL log ratio l_ref - l are clamped to +- this before exp
+    (as verl); a clamped token gets no gradient through it. The default never binds in a
+    healthy run (rho = e^20)."""
+    kl_clamp: float = 10.0
+    """Each token's KL estimate is clamped to +- this (verl clamps k3 to 10), so that one
+    token the reference model rates far higher cannot spike the loss."""
+    kl_beta: float = 0.0
+    """Weight of the KL term to the reference policy; 0 disables the reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3."""
+    loss_agg: str = "token-mean"
+    """Aggregation over the global mini-batch: token-mean, seq-mean-token-mean,
+    seq-mean-token-sum-norm."""
+    loss_norm_length: int | None = None
+    """Constant length L of seq-mean-token-sum-norm (Dr.GRPO): set it to the max response tokens."""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: fraction of scope tokens whose gradient is detached (Cui et al. 2025)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance band eligible for detaching."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of that band."""
+    kl_cov_ratio: float = 2e-3
+    """kl_cov: fraction of scope tokens, those of largest covariance, given the KL penalty."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: coefficient of |logp - old_logp| on the selected tokens."""
+    tis_cap: float | None = None
+    """Truncated importance sampling for the rollout / trainer mismatch: each token's surrogate
+    is multiplied by min(exp(l_old - l_rollout), tis_cap). None disables it; typical: 2."""
+
+    def __post_init__(self) -> None:
+        check_choice("algo.policy_loss", self.policy_loss, POLICY_LOSSES.names())
+        check_choice(
+            "algo.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS.names()
+        )
+        check_choice("algo.cov_scope", self.cov_scope, SCOPE_NAMES)
+        check_choice("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS.names())
+        check_choice("algo.loss_agg", self.loss_agg, LOSS_AGGREGATIONS.names())
+        check_range("algo.adv_eps", self.adv_eps, low=0.0)
+        check_range("algo.clip_eps_low", self.clip_eps_low, low=0.0, high=1.0)
+        check_range("algo.clip_eps_high", self.clip_eps_high, low=0.0)
+        check_range("algo.kl_beta", self.kl_beta, low=0.0)
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(
+                f"algo.clip_ratio_c={self.clip_ratio_c} must be > 1 (the dual-clip bound on rho "
+                "for negative advantages; verl uses 3), or null to disable dual-clip"
+            )
+        if self.clip_ratio_c is not None and self.policy_loss == "kl_cov":
+            raise ValueError(
+                "algo.clip_ratio_c does nothing with policy_loss=kl_cov, which does not clip the "
+                "ratio; remove it or choose grpo, cw_grpo or clip_cov"
+            )
+        if not self.log_ratio_clamp > 0:
+            raise ValueError(f"algo.log_ratio_clamp={self.log_ratio_clamp} must be > 0")
+        if not self.kl_clamp > 0:
+            raise ValueError(f"algo.kl_clamp={self.kl_clamp} must be > 0")
+        check_range("algo.clip_cov_ratio", self.clip_cov_ratio, low=0.0, high=1.0)
+        check_range("algo.kl_cov_ratio", self.kl_cov_ratio, low=0.0, high=1.0)
+        check_range("algo.kl_cov_coef", self.kl_cov_coef, low=0.0)
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(
+                f"algo.clip_cov_lb={self.clip_cov_lb} must be below "
+                f"algo.clip_cov_ub={self.clip_cov_ub}"
+            )
+        if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_norm_length is None:
+            raise ValueError(
+                "algo.loss_agg=seq-mean-token-sum-norm needs algo.loss_norm_length: "
+                "set it to the maximum number of response tokens"
+            )
+        if self.loss_norm_length is not None:
+            check_range("algo.loss_norm_length", self.loss_norm_length, low=1)
+        if self.tis_cap is not None:
+            check_range("algo.tis_cap", self.tis_cap, low=1.0)

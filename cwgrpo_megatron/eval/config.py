@@ -1,0 +1,39 @@
+"""Benchmark evaluation's settings."""
+
+from dataclasses import dataclass, field
+
+from cwgrpo_megatron.eval.names import BENCHMARKS
+from cwgrpo_megatron.settings import check_choice, check_range
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig:
+    """Benchmark evaluation through the rollout engine, every run.eval_every steps."""
+
+    benchmarks: list[str] = field(default_factory=list)
+    """Names: aime24, math500, amc23, minerva, olympiadbench, and heldout (data.heldout_size
+    prompts of the training data)."""
+    limit: int | None = None
+    """First N problems of each benchmark; None: all."""
+    n: int = 1
+    """Samples per problem (avg@n, pass@n)."""
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_tokens: int | None = None
+    """Max new tokens; None means rollout.max_tokens. Prompts without room are skipped."""
+    data_dir: str | None = None
+    """Folder of aime24 / amc23 / olympiadbench JSONL; None: ../shared/data beside the repo."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in self.benchmarks:
+            check_choice("eval.benchmarks entry", name, [*BENCHMARKS, "heldout"])
+        if self.limit is not None:
+            check_range("eval.limit", self.limit, low=1)
+        check_range("eval.n", self.n, low=1)
+        if self.temperature <= 0:
+            raise ValueError(f"eval.temperature={self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.top_p={self.top_p} must be in (0, 1]")
+        if self.max_tokens is not None:
+            check_range("eval.max_tokens", self.max_tokens, low=1)

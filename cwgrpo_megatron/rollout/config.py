@@ -1,0 +1,79 @@
+"""The rollout engines' settings: backend, sampling limits, memory, placement."""
+
+from dataclasses import dataclass
+
+from cwgrpo_megatron.rollout.names import LONG_PROMPT_POLICIES, ROLLOUT_BACKENDS
+from cwgrpo_megatron.settings import check_choice, check_range
+
+DTYPE_NAMES = ("float32", "bfloat16")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RolloutConfig:
+    """The rollout engine. Its temperature is train.temperature: one value for both sides."""
+
+    backend: str = "vllm"
+    """Rollout backend: vllm, or torch (plain-torch sampling, for machines without vLLM)."""
+    top_p: float = 1.0
+    """Nucleus sampling; < 1 makes rollout log-probs differ from the trainer's (see tis_cap)."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables it."""
+    max_tokens: int = 3584
+    """Max completion tokens (Open-RS: 3584)."""
+    max_model_len: int = 4096
+    """Max prompt + completion tokens the engine holds."""
+    long_prompt: str = "error"
+    """A prompt that leaves no room for max_tokens: error, or truncate (keep its last tokens)."""
+    dtype: str | None = None
+    """Engine dtype: float32 or bfloat16; None means train.params_dtype."""
+    in_process: bool | None = None
+    """vLLM in this process (one-process runs only) or in engine processes; None: automatic."""
+    kv_cache_mb: int = 1024
+    """vLLM KV cache on CPU, MiB (on GPU gpu_memory_utilization applies)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM's share of GPU memory when colocated with training."""
+    enable_sleep_mode: bool = True
+    """Free vLLM's KV cache and weights during training (GPU only; a no-op on CPU)."""
+    enforce_eager: bool = True
+    """Run vLLM eagerly; false compiles the model (torch.compile, and CUDA graphs on GPU). On
+    2 CPU cores with SmolLM2-135M (the demo's rollouts, benchmarks/bench_vllm_compile.py),
+    compiling adds 131 s to the engine's start with an empty compile cache (81 s with a warm
+    one) and saves 0.28 s (0.96 s) of an 8.5 s rollout: it pays after some 470 (84) steps,
+    not within the demo's 8."""
+    shm_dir: str = "/dev/shm"
+    """Where the vLLM engine's weight-sync buffer lives: a tmpfs with room for one copy of the
+    model in the engine dtype, kept while the engine runs."""
+    replicas: int | str = "per_node"
+    """Engine replicas: per_node (one engine on each node, as torchrun counts nodes), or how
+    many in the whole job: a multiple of the node count (each node's ranks are split evenly
+    into groups of consecutive ranks; a group's first rank owns its engine), or fewer than the
+    nodes (one on each of the first ones; 1: one engine, on rank 0). Each replica generates
+    its share of a step's prompts and scores it (`rollout.replicas`)."""
+    tp: int = 1
+    """The engine's tensor-parallel size: on GPU it runs on the first `tp` devices of its
+    replica's ranks, so a replica must span at least `tp` ranks."""
+
+    def __post_init__(self) -> None:
+        check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS.names())
+        check_choice("rollout.long_prompt", self.long_prompt, LONG_PROMPT_POLICIES)
+        if self.dtype is not None:
+            check_choice("rollout.dtype", self.dtype, DTYPE_NAMES)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        check_range("rollout.top_k", self.top_k, low=0)
+        for key in ("max_tokens", "kv_cache_mb", "tp"):
+            check_range(f"rollout.{key}", getattr(self, key), low=1)
+        if self.replicas != "per_node" and not (
+            isinstance(self.replicas, int) and self.replicas >= 1
+        ):
+            raise ValueError(
+                f"rollout.replicas={self.replicas!r} must be per_node or a positive integer"
+            )
+        check_range(
+            "rollout.gpu_memory_utilization", self.gpu_memory_utilization, low=0.01, high=1.0
+        )
+        if self.max_tokens >= self.max_model_len:
+            raise ValueError(
+                f"rollout.max_tokens={self.max_tokens} leaves no room for a prompt in "
+                f"rollout.max_model_len={self.max_model_len}"
+            )
