@@ -254,7 +254,7 @@ def main(argv=None) -> int:
         result = fn(args, folder / "hf", folder / "prompts.jsonl", folder / f"out_{args.side}")
         print(json.dumps(result))
         return 0
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     if args.quick:
         args.steps = 1

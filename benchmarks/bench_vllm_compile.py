@@ -136,7 +136,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as cache:
         if args.quick:
-            from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+            from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
             args.hf_dir = save_tiny_qwen2(cache + "/tiny")
             args.prompts, args.n, args.max_tokens, args.repeats = 2, 2, 4, 1

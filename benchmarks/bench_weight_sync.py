@@ -53,7 +53,7 @@ QUICK = {"tiny": dict()}
 
 
 def make_hf_dir(folder: Path, overrides: dict) -> Path:
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     config = {**overrides, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}
     return save_tiny_qwen2(folder, **config)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from cwgrpo_megatron.checks.sync_check import SyncVerifier
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.data.prompt_set import build_prompt_sets
 from cwgrpo_megatron.data.prompts import SYSTEM_PROMPT, PromptFormat, PromptSampler
@@ -38,19 +39,18 @@ from cwgrpo_megatron.megatron.conversion import (
 )
 from cwgrpo_megatron.megatron.model import DTYPES
 from cwgrpo_megatron.megatron.publish import check_engine, sync_plan, sync_weights
-from cwgrpo_megatron.megatron.sync_check import SyncVerifier
 from cwgrpo_megatron.megatron.train_step import build_actor
 from cwgrpo_megatron.reward import build_reward
 from cwgrpo_megatron.rollout import build_engine
 from cwgrpo_megatron.rollout.replicas import Replicas
-from cwgrpo_megatron.run_dir import (
+from cwgrpo_megatron.run.run_dir import (
     RunDir,
     checkpoint_to_resume,
     prepare,
     rewind_metrics,
     write_env,
 )
-from cwgrpo_megatron.tracking import Tracker
+from cwgrpo_megatron.run.tracking import Tracker
 from cwgrpo_megatron.trainer import LoopState, Trainer
 
 log = logging.getLogger("cwgrpo_megatron.train")

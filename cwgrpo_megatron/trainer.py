@@ -40,8 +40,8 @@ from cwgrpo_megatron.megatron.train_step import train_step
 from cwgrpo_megatron.reward.scoring import score_groups
 from cwgrpo_megatron.rollout import sampling_config
 from cwgrpo_megatron.rollout.base import SamplingConfig, rollout_seed
-from cwgrpo_megatron.run_dir import write_samples
-from cwgrpo_megatron.step_metrics import (
+from cwgrpo_megatron.run.run_dir import write_samples
+from cwgrpo_megatron.run.step_metrics import (
     actor_metrics,
     cov_histogram,
     rollout_metrics,
@@ -51,16 +51,16 @@ from cwgrpo_megatron.step_metrics import (
 from cwgrpo_megatron.timing import PhaseTimer
 
 if TYPE_CHECKING:
+    from cwgrpo_megatron.checks.sync_check import SyncVerifier
     from cwgrpo_megatron.convert.arch import ModelArch
     from cwgrpo_megatron.data.prompt_set import PromptSet
     from cwgrpo_megatron.data.prompts import Problem, PromptFormat
-    from cwgrpo_megatron.megatron.sync_check import SyncVerifier
     from cwgrpo_megatron.megatron.train_step import Actor
     from cwgrpo_megatron.reward import WeightedReward
     from cwgrpo_megatron.rollout.base import RolloutEngine
     from cwgrpo_megatron.rollout.replicas import Replicas
-    from cwgrpo_megatron.run_dir import RunDir
-    from cwgrpo_megatron.tracking import Tracker
+    from cwgrpo_megatron.run.run_dir import RunDir
+    from cwgrpo_megatron.run.tracking import Tracker
     from cwgrpo_megatron.weight_sync.plan import SyncPlan
 
 

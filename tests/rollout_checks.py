@@ -1,4 +1,4 @@
-"""Checks every rollout backend must pass, on the tiny Qwen2 of `rollout.tiny`.
+"""Checks every rollout backend must pass, on the tiny Qwen2 of `checks.tiny`.
 
 Each check takes (engine, hf_dir) and raises AssertionError on failure. The torch backend runs
 them in the pytest process (tests/unit/test_rollout_torch.py); the vLLM backend runs them all in

@@ -17,7 +17,7 @@ The JSON holds `loss` and `grad_norm` per step, `update` (per HF tensor, a rando
 and the norm of its change), `param_checksum` and `layout`. --calibrate reruns this layout on
 channel-permuted copies of the model (the same function, other fp32 reduction orders) and
 stores their worst differences as `noise`; --against judges each quantity against
-10 x that noise (`cwgrpo_megatron/layout_verdict.py` gives the rule). --plant builds in a
+10 x that noise (`cwgrpo_megatron/checks/layout_verdict.py` gives the rule). --plant builds in a
 known error (a negative control: the verdict must be FAIL). --num-layers keeps the model's
 first layers, for a quick check. Without --hf-dir a built-in tiny random Qwen2 is used.
 """
@@ -62,9 +62,8 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. algo.policy_loss=grpo")
     args = parser.parse_args(argv)
 
-    from cwgrpo_megatron import layout_verdict
+    from cwgrpo_megatron.checks import layout_check, layout_verdict
     from cwgrpo_megatron.files import write_atomic
-    from cwgrpo_megatron.megatron import layout_check
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
 
     setup = {

@@ -40,14 +40,14 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
-    from cwgrpo_megatron.megatron.sync_check import (
+    from cwgrpo_megatron.checks.sync_check import (
         REALISTIC_STEP,
         Gap,
         SyncVerifier,
         first_layers,
         run_check,
     )
+    from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
 
     init_distributed()
     rank = dist.get_rank()  # an in-process vLLM engine ends torch.distributed when it stops

@@ -1,6 +1,6 @@
 """Compare training runs: compare.png (reward, held-out accuracy, entropy, response length, CW
 weights, grad norm) and compare.md (per group, mean +- std over seeds, incl. entropy at matched
-reward). See cwgrpo_megatron/run_compare.py for every statistic's definition.
+reward). See cwgrpo_megatron/analysis/run_compare.py for every statistic's definition.
 
     python tools/compare_runs.py runs/grpo_s* runs/cw_s* --out docs/results
     python tools/compare_runs.py runs/a runs/b --label A='runs/a*' --label B='runs/b*' --out cmp
@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--quiet", action="store_true", help="print only where the files went")
     args = parser.parse_args(argv)
+    from cwgrpo_megatron.analysis.run_compare import label_runs, markdown, plot
     from cwgrpo_megatron.files import write_atomic
-    from cwgrpo_megatron.run_compare import label_runs, markdown, plot
 
     try:
         runs = label_runs(args.runs, args.label)

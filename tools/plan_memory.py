@@ -12,7 +12,7 @@ colocated, the peak of each phase (rollout, old-logp, train) and the verdict aga
 --search lists every layout (tp, pp, micro-batch size, recompute) that fits, fastest first by
 `planner.step_seconds` (an ordering rule, not a prediction). --json prints one JSON object.
 The model is the config's model.arch (a name of configs/models, or an HF config.json), else
-the config.json in model.path. The formulas are in cwgrpo_megatron/planner.py. Exit 2 on a
+the config.json in model.path. The formulas are in cwgrpo_megatron/analysis/planner.py. Exit 2 on a
 layout or config that cannot work, 1 when the plan does not fit.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cwgrpo_megatron import planner  # noqa: E402
+from cwgrpo_megatron.analysis import planner  # noqa: E402
 from cwgrpo_megatron.config import load_config  # noqa: E402
 from cwgrpo_megatron.convert.arch import ModelArch  # noqa: E402
 

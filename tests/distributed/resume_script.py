@@ -21,8 +21,9 @@ def main() -> None:
 
     import torch
 
+    from cwgrpo_megatron.checks import layout_check
     from cwgrpo_megatron.data.batching import synthetic_batch
-    from cwgrpo_megatron.megatron import checkpoint, layout_check, parallel, train_checkpoint
+    from cwgrpo_megatron.megatron import checkpoint, parallel, train_checkpoint
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
     from cwgrpo_megatron.megatron.train_step import train_step
 
@@ -38,10 +39,10 @@ def main() -> None:
         world_size=1,
         overrides=["optim.optimizer=adam", "optim.lr=1e-3"],
     )
-    trainer, _ = layout_check.tiny_trainer(cfg)
+    actor, _ = layout_check.tiny_actor(cfg)
     start = 0
     if resume:
-        start = train_checkpoint.load(trainer, train_checkpoint.latest(root))["next_batch"]
+        start = train_checkpoint.load(actor, train_checkpoint.latest(root))["next_batch"]
     saves = 0
     real_save = checkpoint.dist_checkpointing.save
 
@@ -54,9 +55,9 @@ def main() -> None:
     losses = []
     for step in range(start, steps):
         batch = synthetic_batch(prompts=2, group_size=4, seq_len=16, vocab_size=1000, seed=step)
-        losses += [r.loss for r in train_step(trainer, batch)]
+        losses += [r.loss for r in train_step(actor, batch)]
         saves += 1
-        train_checkpoint.save(trainer, root, data_state={"next_batch": step + 1}, keep_last=2)
+        train_checkpoint.save(actor, root, data_state={"next_batch": step + 1}, keep_last=2)
     print(json.dumps({"losses": losses, "start": start}))
     parallel.destroy()
     shutdown()

@@ -13,8 +13,8 @@ CASES = [(dtype, distopt) for dtype in ("float32", "bfloat16") for distopt in (F
 
 
 def _arch(name):
+    from cwgrpo_megatron.checks.layout_check import TINY_QWEN2
     from cwgrpo_megatron.convert.arch import ModelArch
-    from cwgrpo_megatron.megatron.layout_check import TINY_QWEN2
 
     # an odd vocabulary, so that padding to 128 x tp shows
     return ModelArch.from_hf_dict({**TINY_QWEN2, "vocab_size": 1000, **MODELS[name]})
@@ -23,12 +23,12 @@ def _arch(name):
 def _measure_states(rank, world):
     from megatron.core import parallel_state
 
+    from cwgrpo_megatron.analysis.planner import trainer_state
+    from cwgrpo_megatron.checks.memory import trainer_state_bytes
     from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.cpu import on_cpu
-    from cwgrpo_megatron.megatron.memory import trainer_state_bytes
     from cwgrpo_megatron.megatron.train_step import build_actor
-    from cwgrpo_megatron.planner import trainer_state
 
     out = []
     for tp, pp in LAYOUTS:
@@ -105,12 +105,12 @@ RECOMPUTE = {
 
 
 def _measure_activations(rank, world):
+    from cwgrpo_megatron.analysis.planner import activation_bytes
+    from cwgrpo_megatron.checks.memory import micro_batch_saved_bytes
     from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.data.batching import synthetic_batch
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.memory import micro_batch_saved_bytes
     from cwgrpo_megatron.megatron.model import DTYPES, build_model
-    from cwgrpo_megatron.planner import activation_bytes
 
     parallel.initialize(tp=1, pp=1)
     out = []
@@ -162,10 +162,10 @@ def test_activation_bytes_match_saved_tensors():
 def _megatron_counts(rank, world):
     import torch
 
+    from cwgrpo_megatron.analysis.planner import stage_tensors
     from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size, recipe_names
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.model import build_model
-    from cwgrpo_megatron.planner import stage_tensors
 
     parallel.initialize(tp=1, pp=1)
     out = {}

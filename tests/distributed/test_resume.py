@@ -62,8 +62,9 @@ def test_sigkill_during_save_then_resume_is_bit_identical(tmp_path):
 
 
 def _train(rank, world, root, tp, steps, resume, dist_opt, save):
+    from cwgrpo_megatron.checks import layout_check
     from cwgrpo_megatron.data.batching import synthetic_batch
-    from cwgrpo_megatron.megatron import layout_check, parallel, train_checkpoint
+    from cwgrpo_megatron.megatron import parallel, train_checkpoint
     from cwgrpo_megatron.megatron.train_step import param_checksum, train_step
 
     cfg = layout_check.layout_config(
@@ -80,24 +81,24 @@ def _train(rank, world, root, tp, steps, resume, dist_opt, save):
             f"optim.use_distributed_optimizer={dist_opt}",
         ],
     )
-    trainer, _ = layout_check.tiny_trainer(cfg)
+    actor, _ = layout_check.tiny_actor(cfg)
     try:
         start, loaded_checksum = 0, None
         if resume:
             try:
-                start = train_checkpoint.load(trainer, train_checkpoint.latest(root))["next_batch"]
+                start = train_checkpoint.load(actor, train_checkpoint.latest(root))["next_batch"]
             except ValueError as err:
                 return {"error": str(err)}
-            loaded_checksum = param_checksum(trainer.model)
+            loaded_checksum = param_checksum(actor.model)
         losses = []
         for step in range(start, steps):
             batch = synthetic_batch(prompts=4, group_size=4, seq_len=16, vocab_size=1000, seed=step)
-            losses += [r.loss for r in train_step(trainer, batch)]
+            losses += [r.loss for r in train_step(actor, batch)]
             if save:
-                train_checkpoint.save(trainer, root, data_state={"next_batch": step + 1})
+                train_checkpoint.save(actor, root, data_state={"next_batch": step + 1})
         return {
             "losses": losses,
-            "checksum": param_checksum(trainer.model),
+            "checksum": param_checksum(actor.model),
             "loaded_checksum": loaded_checksum,
         }
     finally:

@@ -48,7 +48,7 @@ def _run_checks(rank, world_size, hf_dir, in_process=True, names=tuple(CHECKS)):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "hf"))
 
@@ -107,7 +107,7 @@ def test_engine_processes_of_a_killed_trainer_are_cleaned_up_on_start(tmp_path):
 
     import psutil
 
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
     from cwgrpo_megatron.rollout.vllm_engine import kill_orphaned_engines
 
     hf_dir = str(save_tiny_qwen2(tmp_path / "hf"))

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 from tests.distributed.harness import run_distributed
 
 
@@ -23,12 +23,12 @@ def _fill(rank, world_size, hf_dir, tp, pp, per_node, shm_dir):
     os.environ["GROUP_RANK"] = str(rank // per_node)
     import torch.distributed as dist
 
+    from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
     from cwgrpo_megatron.convert.mapping import hf_shapes
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
     from cwgrpo_megatron.dist import all_gather_objects, node_of_each_rank
     from cwgrpo_megatron.dist.collectives import barrier
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
     from cwgrpo_megatron.megatron.publish import fill_buffers, sync_plan
     from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.weight_sync import shm
@@ -37,7 +37,7 @@ def _fill(rank, world_size, hf_dir, tp, pp, per_node, shm_dir):
     cfg = layout_config(
         tp=tp, pp=pp, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
     )
-    trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    actor, arch = tiny_actor(cfg, hf_dir=hf_dir)
     buffer = None
     try:
         replicas = Replicas.place(node_of_each_rank(world), "per_node")
@@ -47,7 +47,7 @@ def _fill(rank, world_size, hf_dir, tp, pp, per_node, shm_dir):
         offers = all_gather_objects(buffer, world)
         node = replicas.nodes[rank]
         mine = [offers[o] for o in replicas.owners_on(node)]
-        received = fill_buffers(trainer.model, arch, plan, mine, dtype=torch.float32)
+        received = fill_buffers(actor.model, arch, plan, mine, dtype=torch.float32)
         barrier(world)
         equal = None
         if buffer is not None:

@@ -4,8 +4,8 @@ process of its own), and resume."""
 import json
 
 from cwgrpo_megatron.config import load_config
-from cwgrpo_megatron.run_dir import RunDir
-from cwgrpo_megatron.tracking import Tracker
+from cwgrpo_megatron.run.run_dir import RunDir
+from cwgrpo_megatron.run.tracking import Tracker
 
 
 def _tracker(tmp_path, *, start_step: int, enabled: bool = True) -> Tracker:

@@ -83,7 +83,7 @@ def _run_cases(rank, world_size, root: str, model: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     root = tmp_path_factory.mktemp("errors")
     model = save_tiny_qwen2(root / "tiny", end_tokens=32)

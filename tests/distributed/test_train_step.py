@@ -17,8 +17,8 @@ LAYOUTS = {
 
 
 def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind, mini_batches=1):
+    from cwgrpo_megatron.checks import layout_check
     from cwgrpo_megatron.dist.scopes import LayoutDependentWarning
-    from cwgrpo_megatron.megatron import layout_check
 
     batch_fn = None
     if batch_kind == "equal-rewards":
@@ -157,8 +157,8 @@ def test_rank_holding_only_padding():
 
 
 def _count_scope_reductions(rank, world):
+    from cwgrpo_megatron.checks import layout_check
     from cwgrpo_megatron.dist import scopes
-    from cwgrpo_megatron.megatron import layout_check
 
     sizes = []
     original = scopes.sum_over
@@ -215,7 +215,8 @@ def test_non_finite_gradient_skips_the_step():
 def _lr_sequence(rank, world):
     import math
 
-    from cwgrpo_megatron.megatron import layout_check, parallel
+    from cwgrpo_megatron.checks import layout_check
+    from cwgrpo_megatron.megatron import parallel
 
     cfg = layout_check.layout_config(
         tp=1,
@@ -232,12 +233,12 @@ def _lr_sequence(rank, world):
             "optim.min_lr_ratio=0.1",
         ],
     )
-    trainer, _ = layout_check.tiny_trainer(cfg)
+    actor, _ = layout_check.tiny_actor(cfg)
     try:
         got = []
         for _ in range(10):
-            trainer.scheduler.step(increment=1)
-            got.append(trainer.optimizer.param_groups[0]["lr"])
+            actor.scheduler.step(increment=1)
+            got.append(actor.optimizer.param_groups[0]["lr"])
     finally:
         parallel.destroy()
     peak, low, warm, total = 1e-3, 1e-4, 2, 10

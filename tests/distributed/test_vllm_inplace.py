@@ -107,7 +107,7 @@ def _inplace_checks(rank, world_size, hf_dir, shm_dir):
     ids=["untied", "tied-padded-vocab"],  # vLLM pads 500 to 512 rows
 )
 def test_in_place_load_equals_vllms_reload_bit_for_bit(tmp_path, overrides):
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     hf_dir = str(save_tiny_qwen2(tmp_path / "hf", **overrides))
     (out,) = run_distributed(_inplace_checks, 1, hf_dir, str(tmp_path), timeout=300)

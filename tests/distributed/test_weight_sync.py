@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from cwgrpo_megatron.rollout.tiny import TINY_ENGINE_QWEN2, save_tiny_qwen2
+from cwgrpo_megatron.checks.tiny import TINY_ENGINE_QWEN2, save_tiny_qwen2
 from tests.distributed.harness import run_distributed
 
 
@@ -19,7 +19,7 @@ def hf_dir(tmp_path_factory):
 
 
 def _check(rank, world_size, hf_dir, tp, pp, backend, rounds):
-    from cwgrpo_megatron.megatron.sync_check import run_check
+    from cwgrpo_megatron.checks.sync_check import run_check
 
     return run_check(hf_dir=hf_dir, tp=tp, pp=pp, backend=backend, rounds=rounds, seed=1)
 
@@ -58,24 +58,24 @@ def test_engine_scores_like_trainer_after_each_sync(request, tp, pp, backend, ro
 
 
 def _planted(rank, world_size, hf_dir, backend):
+    from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
+    from cwgrpo_megatron.checks.sync_check import start_engine
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
     from cwgrpo_megatron.megatron.publish import sync_weights, unwrap
-    from cwgrpo_megatron.megatron.sync_check import start_engine
     from cwgrpo_megatron.rollout import SamplingConfig
 
     cfg = layout_config(
         tp=1, pp=2, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
     )
-    trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    actor, arch = tiny_actor(cfg, hf_dir=hf_dir)
     engine = None
     try:
         if rank == 0:
             engine = start_engine(backend, hf_dir, dtype="float32", max_model_len=128, seed=0)
-        gpt = unwrap(trainer.model)
+        gpt = unwrap(actor.model)
         if hasattr(gpt, "output_layer"):  # the last stage: every logit 0 -> uniform
             torch.nn.init.zeros_(gpt.output_layer.weight)
-        sync_weights(trainer.model, arch, engine, dtype="float32")
+        sync_weights(actor.model, arch, engine, dtype="float32")
         if engine is None:
             return None
         prompts = [[10, 11, 12], [20]]
@@ -101,11 +101,11 @@ def test_a_change_on_the_last_stage_reaches_the_engine(hf_dir):
 def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
     import torch.distributed as dist
 
+    from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
     from cwgrpo_megatron.convert.mapping import hf_shapes
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
     from cwgrpo_megatron.dist.collectives import barrier, broadcast_object
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
     from cwgrpo_megatron.megatron.publish import fill_buffers, hf_weights, sync_plan
     from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.weight_sync import shm
@@ -113,12 +113,12 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
     cfg = layout_config(
         tp=tp, pp=pp, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
     )
-    trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    actor, arch = tiny_actor(cfg, hf_dir=hf_dir)
     buffer = None
     try:
         ckpt = HFCheckpoint(hf_dir)
         names, streamed_equal = [], True
-        for name, tensor in hf_weights(trainer.model, arch, dtype="float32"):
+        for name, tensor in hf_weights(actor.model, arch, dtype="float32"):
             names.append(name)
             streamed_equal &= torch.equal(tensor, ckpt.get(name))
         # every rank writes only its own shards into one buffer (the sync's own path)
@@ -127,7 +127,7 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
         buffer = broadcast_object(buffer, 0, dist.group.WORLD)
         plan = sync_plan(Replicas.single(world_size))
         assert plan.writers == set(range(world_size)) and not plan.transfers
-        fill_buffers(trainer.model, arch, plan, [buffer], dtype=torch.float32)
+        fill_buffers(actor.model, arch, plan, [buffer], dtype=torch.float32)
         barrier(dist.group.WORLD)
         fresh = shm.SharedWeights.from_message(buffer.to_message())._views()
         shared_equal = all(torch.equal(fresh[n], ckpt.get(n)) for n in ckpt.names())
@@ -152,11 +152,11 @@ def test_stream_and_shared_buffer_are_the_hf_checkpoint_bit_for_bit(hf_dir, tmp_
 
 def _rollout_then_train(rank, world_size, hf_dir, backend):
     """Engine rollouts -> TrainBatch -> train step with truncated IS -> sync, twice."""
+    from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
+    from cwgrpo_megatron.checks.sync_check import start_engine
     from cwgrpo_megatron.data.batching import batch_from_rollouts
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
     from cwgrpo_megatron.megatron.publish import sync_weights
-    from cwgrpo_megatron.megatron.sync_check import start_engine
     from cwgrpo_megatron.megatron.train_step import train_step
     from cwgrpo_megatron.rollout import sampling_config
 
@@ -170,7 +170,7 @@ def _rollout_then_train(rank, world_size, hf_dir, backend):
         world_size=world_size,
         overrides=["train.temperature=0.7", "algo.tis_cap=2.0", "rollout.max_tokens=6"],
     )
-    trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    actor, arch = tiny_actor(cfg, hf_dir=hf_dir)
     engine = start_engine(backend, hf_dir, dtype="float32", max_model_len=64, seed=0)
     try:
         metrics = []
@@ -179,9 +179,9 @@ def _rollout_then_train(rank, world_size, hf_dir, backend):
             groups = engine.generate([[5, 6, 7], [9, 10]], 4, sampling)
             rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0]])
             batch = batch_from_rollouts(groups, rewards, seq_len=10)
-            (result,) = train_step(trainer, batch)
+            (result,) = train_step(actor, batch)
             metrics.append(result.metrics)
-            sync_weights(trainer.model, arch, engine, dtype="float32")
+            sync_weights(actor.model, arch, engine, dtype="float32")
         return metrics, engine.version
     finally:
         parallel.destroy()
@@ -216,16 +216,16 @@ def test_check_weight_sync_cli(hf_dir):
 
 
 def _refused_engine(rank, world_size, hf_dir, engine_dir, shm_dir):
+    from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
     from cwgrpo_megatron.dist import PeerFailure
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
     from cwgrpo_megatron.megatron.publish import sync_weights
     from cwgrpo_megatron.rollout import get_engine
 
     cfg = layout_config(
         tp=2, pp=1, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
     )
-    trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    actor, arch = tiny_actor(cfg, hf_dir=hf_dir)
     engine = None
     try:
         if rank == 0 and shm_dir is None:
@@ -233,7 +233,7 @@ def _refused_engine(rank, world_size, hf_dir, engine_dir, shm_dir):
         elif rank == 0:
             engine = get_engine("vllm")(engine_dir, max_model_len=64, seed=0, shm_dir=shm_dir)
         try:
-            sync_weights(trainer.model, arch, engine, dtype="float32")
+            sync_weights(actor.model, arch, engine, dtype="float32")
         except (ValueError, PeerFailure) as err:  # the owner's refusal; its peer's word of it
             return str(err)
         return "synced"
@@ -256,8 +256,8 @@ def test_an_engine_without_room_for_its_buffer_is_refused_on_every_rank(hf_dir, 
 
 
 def _check_with_a_blind_peer(rank, world_size, hf_dir):
+    from cwgrpo_megatron.checks.sync_check import run_check
     from cwgrpo_megatron.dist import PeerFailure
-    from cwgrpo_megatron.megatron.sync_check import run_check
     from cwgrpo_megatron.weight_sync.shm import SharedWeights
 
     visible = SharedWeights.visible
@@ -279,31 +279,31 @@ def test_a_rank_that_cannot_see_its_nodes_buffer_stops_every_rank(hf_dir):
 
 
 def _verify(rank, world_size, hf_dir):
+    from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
+    from cwgrpo_megatron.checks.sync_check import SyncMismatchError, start_engine, verify_sync
     from cwgrpo_megatron.data.batching import synthetic_batch
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
     from cwgrpo_megatron.megatron.publish import sync_weights
-    from cwgrpo_megatron.megatron.sync_check import SyncMismatchError, start_engine, verify_sync
     from cwgrpo_megatron.megatron.train_step import train_step
 
     cfg = layout_config(
         tp=2, pp=1, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
     )
-    trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    actor, arch = tiny_actor(cfg, hf_dir=hf_dir)
     engine = None
     if rank == 0:
         engine = start_engine("torch", hf_dir, dtype="float32", max_model_len=64, seed=0)
     try:
-        synced = verify_sync(trainer.model, arch, engine, tol=1e-4)  # same checkpoint
+        synced = verify_sync(actor.model, arch, engine, tol=1e-4)  # same checkpoint
         batch = synthetic_batch(prompts=2, group_size=4, seq_len=24, vocab_size=arch.vocab_size)
-        train_step(trainer, batch)
+        train_step(actor, batch)
         try:  # the engine was not synced after the step
-            verify_sync(trainer.model, arch, engine, tol=1e-4)
+            verify_sync(actor.model, arch, engine, tol=1e-4)
             stale = "passed"
         except SyncMismatchError as err:
             stale = str(err)
-        sync_weights(trainer.model, arch, engine, dtype="float32")
-        return synced, stale, verify_sync(trainer.model, arch, engine, tol=1e-4)
+        sync_weights(actor.model, arch, engine, dtype="float32")
+        return synced, stale, verify_sync(actor.model, arch, engine, tol=1e-4)
     finally:
         parallel.destroy()
 

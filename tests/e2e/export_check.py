@@ -11,13 +11,14 @@ def _max_logit_gap(rank, world_size, hf_dir: str, ckpt: str, start_hf: str) -> f
     import torch
     from transformers import AutoModelForCausalLM
 
+    from cwgrpo_megatron.checks import layout_check
+    from cwgrpo_megatron.checks.sync_check import fixed_sequences
     from cwgrpo_megatron.config import load_config
-    from cwgrpo_megatron.megatron import layout_check, parallel, train_checkpoint
+    from cwgrpo_megatron.megatron import parallel, train_checkpoint
     from cwgrpo_megatron.megatron.forward import forward_logits
-    from cwgrpo_megatron.megatron.sync_check import fixed_sequences
 
     cfg = load_config(Path(ckpt).parents[1] / "config.yaml")  # the run's resolved config
-    actor, arch = layout_check.tiny_trainer(cfg, hf_dir=start_hf)
+    actor, arch = layout_check.tiny_actor(cfg, hf_dir=start_hf)
     try:
         train_checkpoint.load(actor, ckpt)
         tokens = fixed_sequences(arch.vocab_size, batch=3, seq_len=20, seed=5)

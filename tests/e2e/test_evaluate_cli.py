@@ -23,7 +23,7 @@ def _evaluate_cmd(model_dir, out, *extra) -> list[str]:
 @pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not beside this checkout")
 @pytest.mark.parametrize("engine", ["torch", "vllm"])
 def test_evaluate_cli_end_to_end_on_a_tiny_model(tmp_path, engine):
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     hf_dir = save_tiny_qwen2(tmp_path / "hf", max_position_embeddings=4096)
     out = tmp_path / "results.json"
@@ -81,7 +81,7 @@ def test_evaluate_cli_rejects_unknown_benchmark(tmp_path):
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not beside this checkout")
 def test_evaluate_takes_a_megatron_checkpoint(tmp_path):
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     hf_dir = save_tiny_qwen2(tmp_path / "hf", max_position_embeddings=4096)
     ckpt = tmp_path / "ckpt"

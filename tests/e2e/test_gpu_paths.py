@@ -41,7 +41,7 @@ def test_transformer_engine_spec_matches_hf(name):
 
 
 def _vllm_gpu_worker(rank, world, hf_dir):
-    from cwgrpo_megatron.megatron.sync_check import run_check, start_engine
+    from cwgrpo_megatron.checks.sync_check import run_check, start_engine
     from cwgrpo_megatron.rollout import SamplingConfig
 
     torch.cuda.set_device(0)
@@ -56,7 +56,7 @@ def _vllm_gpu_worker(rank, world, hf_dir):
 
 
 def test_vllm_on_gpu_syncs_sleeps_and_generates(tmp_path):
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     hf_dir = str(save_tiny_qwen2(tmp_path / "hf"))
     report, samples = run_distributed(_vllm_gpu_worker, 1, hf_dir, timeout=600)[0]

@@ -168,7 +168,7 @@ def test_a_killed_engine_stops_every_rank_and_keeps_the_checkpoints(tiny, tmp_pa
 
 
 def test_a_node_with_another_model_is_refused_before_the_first_step(tiny, tmp_path):
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
     other = save_tiny_qwen2(tmp_path / "other", end_tokens=32, intermediate_size=384)
     out = tmp_path / "run"

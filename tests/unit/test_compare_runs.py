@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cwgrpo_megatron.run_compare import label_runs, markdown, read_run, run_stats
+from cwgrpo_megatron.analysis.run_compare import label_runs, markdown, read_run, run_stats
 
 REPO = Path(__file__).resolve().parents[2]
 

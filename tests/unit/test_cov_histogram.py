@@ -95,7 +95,7 @@ def test_histograms_merge_and_reduce_like_the_whole_batch():
 
 def test_step_histogram_is_tensorboards_raw_form(tmp_path):
     from cwgrpo_megatron.megatron.train_step import StepResult
-    from cwgrpo_megatron.step_metrics import cov_histogram
+    from cwgrpo_megatron.run.step_metrics import cov_histogram
 
     c = torch.tensor([[-2.0, 0.5, 0.5, 3.0]])
     mask = torch.ones_like(c)

@@ -14,9 +14,9 @@ from cwgrpo_megatron.data.prompt_set import build_prompt_sets
 from cwgrpo_megatron.data.prompts import PromptFormat
 from cwgrpo_megatron.reward.scoring import ScoredGroup
 from cwgrpo_megatron.rollout.base import Completion, RolloutGroup, rollout_seed
-from cwgrpo_megatron.run_dir import RunDir, checkpoint_to_resume, rewind_metrics, write_samples
-from cwgrpo_megatron.step_metrics import rollout_metrics, step_tokens, timing_metrics
-from cwgrpo_megatron.tracking import _json_value
+from cwgrpo_megatron.run.run_dir import RunDir, checkpoint_to_resume, rewind_metrics, write_samples
+from cwgrpo_megatron.run.step_metrics import rollout_metrics, step_tokens, timing_metrics
+from cwgrpo_megatron.run.tracking import _json_value
 
 
 def test_mask_truncated_drops_the_loss_of_cut_completions_only():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from cwgrpo_megatron import planner
+from cwgrpo_megatron.analysis import planner
 from cwgrpo_megatron.convert.arch import RECIPES, ModelArch, recipe_names
 from tools import plan_memory
 
@@ -54,8 +54,8 @@ def test_unknown_recipe_names_the_known_ones():
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
     from cwgrpo_megatron.megatron.conversion import start_arch
-    from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
 
     path = save_tiny_qwen2(tmp_path / "tiny")
     with pytest.raises(ValueError, match="is not the model.arch='qwen2p5_math_7b'.*hidden_size"):

@@ -4,10 +4,10 @@ who writes which shard and what crosses the network, on hand-made layouts."""
 import pytest
 import torch
 
+from cwgrpo_megatron.checks.tiny import TINY_ENGINE_QWEN2
 from cwgrpo_megatron.config import load_config
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.rollout.replicas import Replicas
-from cwgrpo_megatron.rollout.tiny import TINY_ENGINE_QWEN2
 from cwgrpo_megatron.weight_sync.plan import Place, SyncPlan, sent_items, written_items
 
 

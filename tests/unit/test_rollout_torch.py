@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 from cwgrpo_megatron.rollout import ROLLOUT_BACKENDS, get_engine
 from cwgrpo_megatron.rollout.base import checked_weights
-from cwgrpo_megatron.rollout.tiny import save_tiny_qwen2
 from cwgrpo_megatron.rollout.torch_engine import filter_logits
 from tests.rollout_checks import CHECKS, MAX_MODEL_LEN
 

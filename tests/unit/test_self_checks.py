@@ -1,6 +1,6 @@
 """Parts of the self-checks: the layout check's verdict (`layout_verdict`), exact on hand-made
-results; its calibration's channel permutation (`convert.symmetry`), the same function with
-other fp32 rounding; `--num-layers`' checkpoint truncation (`convert.truncate`)."""
+results; its calibration's channel permutation (`checks.symmetry`), the same function with
+other fp32 rounding; `--num-layers`' checkpoint truncation (`checks.truncate`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cwgrpo_megatron import layout_verdict as lv
+from cwgrpo_megatron.checks import layout_verdict as lv
+from cwgrpo_megatron.checks.symmetry import ChannelPermutation
 from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.convert.symmetry import ChannelPermutation
 
 
 def result(loss, grad_norm, update):
@@ -99,8 +99,8 @@ def test_the_channel_permutation_keeps_the_function_and_changes_the_rounding():
 def test_truncate_keeps_the_first_layers_and_leaves_nothing_half_written(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from cwgrpo_megatron.convert import truncate
-    from cwgrpo_megatron.convert.truncate import truncate_checkpoint
+    from cwgrpo_megatron.checks import truncate
+    from cwgrpo_megatron.checks.truncate import truncate_checkpoint
 
     model = tiny_llama()
     model.save_pretrained(tmp_path / "full")

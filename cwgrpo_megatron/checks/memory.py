@@ -1,4 +1,4 @@
-"""What a rank actually holds: the measured side of `cwgrpo_megatron.planner`.
+"""What a rank actually holds: the measured side of `cwgrpo_megatron.analysis.planner`.
 
 Bytes are counted per storage, once: a view (a parameter inside DDP's buffer, an fp32 master
 shard that is a slice of the parameter) costs nothing beyond the storage it views.

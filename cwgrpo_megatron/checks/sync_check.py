@@ -19,6 +19,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
 from cwgrpo_megatron.data.batching import synthetic_batch
 from cwgrpo_megatron.dist import (
     all_gather,
@@ -29,7 +30,6 @@ from cwgrpo_megatron.dist import (
 )
 from cwgrpo_megatron.dist.collectives import barrier
 from cwgrpo_megatron.megatron import parallel
-from cwgrpo_megatron.megatron.layout_check import layout_config, tiny_trainer
 from cwgrpo_megatron.megatron.publish import (
     ENGINE_RANK,
     hf_weights,
@@ -55,11 +55,11 @@ def process_tree_rss_mb() -> float:
 @contextlib.contextmanager
 def first_layers(hf_dir: str, num_layers: int | None) -> Iterator[str]:
     """`hf_dir`, or with `num_layers` a node-local copy of its first layers
-    (`convert.truncate`), written by each node's first rank and removed at the end."""
+    (`checks.truncate`), written by each node's first rank and removed at the end."""
     if num_layers is None:
         yield hf_dir
         return
-    from cwgrpo_megatron.convert.truncate import truncate_checkpoint
+    from cwgrpo_megatron.checks.truncate import truncate_checkpoint
 
     world = dist.group.WORLD
     mine = tempfile.mkdtemp(prefix="cwgrpo-layers-") if dist.get_rank() == 0 else None
@@ -248,7 +248,7 @@ def run_check(
         world_size=world,
         overrides=[f"train.params_dtype={dtype}", f"train.seed={seed}", *step],
     )
-    trainer, arch = tiny_trainer(cfg, hf_dir=hf_dir)
+    actor, arch = tiny_actor(cfg, hf_dir=hf_dir)
     owns_engine = False
     try:
         own = dist.get_rank() == ENGINE_RANK
@@ -259,7 +259,7 @@ def run_check(
         rows = tokens.tolist()
         report: dict = {k: [] for k in ("max_abs", "mean_abs", "stale_max_abs")}
         report.update(versions=[], paths=[], loads=[], rss_mb=[])
-        start = both_logprobs(trainer.model, arch, engine, tokens)
+        start = both_logprobs(actor.model, arch, engine, tokens)
         if own:
             report["start_max_abs"] = float((start[0] - start[1]).abs().max())
             report["start_mean_abs"] = float((start[0] - start[1]).abs().mean())
@@ -267,13 +267,13 @@ def run_check(
             step_batch = synthetic_batch(
                 prompts=2, group_size=4, seq_len=24, vocab_size=arch.vocab_size, seed=seed + r
             )
-            before = _layer_tensors(trainer.model, arch) if plant == "stale_layer" else None
-            train_step(trainer, step_batch)
+            before = _layer_tensors(actor.model, arch) if plant == "stale_layer" else None
+            train_step(actor, step_batch)
             stale = torch.tensor(engine.prompt_logprobs(rows)) if own else None
-            synced = sync_weights(trainer.model, arch, engine, dtype=dtype)
+            synced = sync_weights(actor.model, arch, engine, dtype=dtype)
             if plant is not None:
-                _push_planted(trainer.model, arch, engine, plant, before, dtype=dtype)
-            pair = both_logprobs(trainer.model, arch, engine, tokens)
+                _push_planted(actor.model, arch, engine, plant, before, dtype=dtype)
+            pair = both_logprobs(actor.model, arch, engine, tokens)
             if own:
                 theirs, ours = pair
                 delta = (theirs - ours).abs()

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from cwgrpo_megatron.checks.symmetry import ChannelPermutation
 from cwgrpo_megatron.config import Config, load_config
 from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.convert.symmetry import ChannelPermutation
 from cwgrpo_megatron.data.batching import synthetic_batch
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.model import load_hf_weights
@@ -63,7 +63,7 @@ def hf_source(*, seed: int = 0, hf_dir: str | None = None, num_layers: int | Non
     return arch, get
 
 
-def tiny_trainer(
+def tiny_actor(
     cfg: Config,
     *,
     seed: int = 0,
@@ -71,10 +71,10 @@ def tiny_trainer(
     init_parallel: bool = True,
     source: tuple[ModelArch, Callable[[str], torch.Tensor]] | None = None,
 ):
-    """(trainer, arch) at cfg's layout, weights from `hf_dir` or the tiny random Qwen2, or from
+    """(actor, arch) at cfg's layout, weights from `hf_dir` or the tiny random Qwen2, or from
     `source` = (arch, get) when given (`hf_source`'s result, perhaps with `get` wrapped).
 
-    Sets up Megatron's groups unless `init_parallel` is False (a second trainer in the same
+    Sets up Megatron's groups unless `init_parallel` is False (a second actor in the same
     groups); call `parallel.destroy()` when done."""
     arch, get = source if source is not None else hf_source(seed=seed, hf_dir=hf_dir)
     if init_parallel:
@@ -224,12 +224,12 @@ def run(
             tensor = t(name, tensor)
         return tensor
 
-    trainer, arch = tiny_trainer(cfg, source=(arch, transformed))
+    actor, arch = tiny_actor(cfg, source=(arch, transformed))
     try:
         if plant == "dp_grad_unreduced":
-            trainer.model.finish_grad_sync = lambda *a, **k: None
-        start = _hf_snapshot(trainer.model, arch)
-        initial = param_checksum(trainer.model)
+            actor.model.finish_grad_sync = lambda *a, **k: None
+        start = _hf_snapshot(actor.model, arch)
+        initial = param_checksum(actor.model)
         losses, norms, skipped, metrics, padded = [], [], [], [], []
         for step in range(steps):
             if batch_fn is not None:
@@ -246,7 +246,7 @@ def run(
                 batch = dataclasses.replace(
                     batch, tokens=perm.tokens(batch.tokens), labels=perm.tokens(batch.labels)
                 )
-            for result in train_step(trainer, batch):
+            for result in train_step(actor, batch):
                 losses.append(result.loss)
                 norms.append(result.grad_norm)
                 skipped.append(result.skipped)
@@ -255,14 +255,14 @@ def run(
         out = {
             "loss": losses,
             "grad_norm": norms,
-            "param_checksum": param_checksum(trainer.model),
+            "param_checksum": param_checksum(actor.model),
             "initial_checksum": initial,
             "skipped": skipped,
             "metrics": metrics,
             "padded_tokens": padded,
             "layout": {**parallel.layout(), "micro_batches": micro_batches},
         }
-        update = _update_stats(trainer.model, arch, start, perm)
+        update = _update_stats(actor.model, arch, start, perm)
         if update is not None:
             out["update"] = update
         return out

@@ -12,7 +12,7 @@ and n_t = |d_t| (`layout_check.run`): for an error e_t on the update, u_t moves 
 N(0, |e_t|^2), so `update` reads as the relative error of the worst tensor's update.
 
 The tolerance rule. `--calibrate` runs the reference layout again, CALIBRATION_RUNS times, on a
-channel-permuted copy of the model (`convert.symmetry`): the same function in exact arithmetic, with
+channel-permuted copy of the model (`checks.symmetry`): the same function in exact arithmetic, with
 the sums that tensor parallelism splits (over heads, MLP channels and the vocabulary) taken in
 another order. Their worst difference to the reference is the fp32 noise of this model, batch and
 step, per quantity:

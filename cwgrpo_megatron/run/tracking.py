@@ -17,8 +17,8 @@ from tqdm import tqdm
 
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.files import write_atomic
-from cwgrpo_megatron.run_dir import RunDir
-from cwgrpo_megatron.step_metrics import PHASES, Histogram
+from cwgrpo_megatron.run.run_dir import RunDir
+from cwgrpo_megatron.run.step_metrics import PHASES, Histogram
 
 log = logging.getLogger("cwgrpo_megatron.train")
 BAR_KEYS = {"reward/mean": "reward", "actor/entropy": "entropy", "timing_s/step": "s/step"}

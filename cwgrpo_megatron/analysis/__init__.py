@@ -1,0 +1,1 @@
+"""Arithmetic behind the planning and analysis tools: GPU memory plans, run comparisons."""
