@@ -3,7 +3,7 @@
 For a Qwen2 of about 100M parameters and one of Qwen2.5-0.5B's shape (random weights, bf16), at
 TP1 (one process, in-process engine) and TP2 (two gloo processes, rank 0 owns engine
 processes). Either way each rank writes its shards into the engine's /dev/shm buffer and the
-engine loads it in place (`rollout.vllm_inplace`):
+engine loads it in place (`weight_sync.vllm_inplace`):
 
     ours      `megatron.publish.sync_weights`, the whole sync: HF names and layout, load
               into the engine, prefix-cache reset (the first sync, which allocates the

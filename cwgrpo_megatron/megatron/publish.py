@@ -37,6 +37,7 @@ from cwgrpo_megatron.megatron.model import DTYPES, use_transformer_engine
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.weight_sync.export import ExportGroups, hf_tensors
 from cwgrpo_megatron.weight_sync.plan import Place, SyncPlan, sent_items, shard_shape
+from cwgrpo_megatron.weight_sync.receiver import WeightReceiver
 from cwgrpo_megatron.weight_sync.shm import SharedWeights, write_shard, write_shards
 
 ENGINE_RANK = 0
@@ -98,7 +99,7 @@ def sync_plan(replicas: Replicas) -> SyncPlan:
     return SyncPlan.build(replicas, all_gather_objects(here, world_group()))
 
 
-def check_engine(engine, arch: ModelArch) -> None:
+def check_engine(engine: WeightReceiver, arch: ModelArch) -> None:
     """ValueError when `engine` holds another model than the trainer's `arch`."""
     if engine.shapes != hf_shapes(arch):
         raise ValueError(
@@ -108,7 +109,14 @@ def check_engine(engine, arch: ModelArch) -> None:
         )
 
 
-def sync_weights(model, arch: ModelArch, engine, *, dtype: str, plan: SyncPlan | None = None):
+def sync_weights(
+    model,
+    arch: ModelArch,
+    engine: WeightReceiver | None,
+    *,
+    dtype: str,
+    plan: SyncPlan | None = None,
+) -> SyncResult:
     """Push the model into every replica's engine (`engine` on the owners, None elsewhere).
     Every rank calls this; `plan` None means one engine on rank 0 and one node (built here
     with one all-gather; pass `sync_plan`'s to reuse it). Returns a `SyncResult`.
@@ -230,7 +238,7 @@ def fill_buffers(
     return received
 
 
-def _stream(model, arch: ModelArch, engine, dtype: str) -> None:
+def _stream(model, arch: ModelArch, engine: WeightReceiver | None, dtype: str) -> None:
     """The whole model streamed to the one engine on rank 0: a collective over data-parallel
     rank 0's model-parallel group (the other ranks do nothing)."""
     if not in_engine_group():
@@ -243,7 +251,7 @@ def _stream(model, arch: ModelArch, engine, dtype: str) -> None:
         engine.update_weights(stream)
 
 
-def _offer(engine, arch: ModelArch, dtype: str) -> SharedWeights | None:
+def _offer(engine: WeightReceiver | None, arch: ModelArch, dtype: str) -> SharedWeights | None:
     """An owner's buffer (None for an engine that takes the stream, and on other ranks);
     ValueError when the owner's engine holds another model or cannot make its buffer."""
     if engine is None:

@@ -23,6 +23,7 @@ from torch import Tensor
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import hf_shapes
 from cwgrpo_megatron.rollout.names import LONG_PROMPT_POLICIES
+from cwgrpo_megatron.weight_sync.receiver import WeightReceiver
 from cwgrpo_megatron.weight_sync.shm import SharedWeights
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,9 @@ class RolloutGroup:
 
 
 @runtime_checkable
-class RolloutEngine(Protocol):
-    version: int
+class RolloutEngine(WeightReceiver, Protocol):
+    """A rollout backend: generates and scores, and receives the trainer's weights
+    (`WeightReceiver`'s methods)."""
 
     def generate(
         self,
@@ -99,21 +101,6 @@ class RolloutEngine(Protocol):
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """log p(x_t | x_<t) at temperature 1 for t >= 1 of each sequence (scoring only)."""
-        ...
-
-    def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Load HF-named full tensors (the whole model, streamed); bumps `version`."""
-        ...
-
-    def shared_weights(self, dtype: torch.dtype) -> SharedWeights | None:
-        """A shared-memory buffer laid out as the HF model that the trainer's ranks may write
-        their shards into; None when `update_weights` is the faster path (an engine that reads
-        the trainer's tensors themselves, e.g. in-process on the same GPU)."""
-        ...
-
-    def load_shared_weights(self) -> None:
-        """Load what the buffer holds now (every tensor must have been written); bumps
-        `version`."""
         ...
 
     def sleep(self) -> None: ...

@@ -11,9 +11,10 @@ Weights reach the engine through a buffer in shared memory laid out as the HF mo
 copy of the model in the update's dtype). The trainer's ranks write their shards into it
 directly (`shared_weights`, then `load_shared_weights`); `update_weights` copies a checked
 stream into it, so a bad update fails before the engine is touched. The worker extension
-`vllm_worker.SharedWeightLoader` loads views of the same pages, in place on CPU
-(`vllm_inplace`: half the time of vLLM's reload). The one exception is an in-process engine on
-a GPU: there the trainer's device tensors stream straight into the worker's `reload_weights`.
+`weight_sync.vllm_worker.SharedWeightLoader` loads views of the same pages, in place on CPU
+(`weight_sync.vllm_inplace`: half the time of vLLM's reload). The one exception is an
+in-process engine on a GPU: there the trainer's device tensors stream straight into the
+worker's `reload_weights`.
 
 After every update the prefix cache is reset: cached KV blocks were computed with the old
 weights (skipping it gave log-prob errors of about 10 on a 168-token prompt).
@@ -181,7 +182,7 @@ class VLLMEngine(EngineBase):
             # log-probs of the distribution sampled from: after temperature and top-k / top-p
             logprobs_mode="processed_logprobs",
             enable_sleep_mode=enable_sleep_mode and torch.cuda.is_available(),
-            worker_extension_cls="cwgrpo_megatron.rollout.vllm_worker.SharedWeightLoader",
+            worker_extension_cls="cwgrpo_megatron.weight_sync.vllm_worker.SharedWeightLoader",
         )
         if torch.cuda.is_available():
             self._engine_args["gpu_memory_utilization"] = gpu_memory_utilization

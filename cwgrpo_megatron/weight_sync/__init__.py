@@ -1,5 +1,7 @@
-"""Megatron -> rollout engine weight sync: full HF-named tensors streamed (`export`), or each
-rank's shards written into a shared-memory buffer laid out as the HF model (`shm`)."""
+"""Megatron -> rollout engine weight sync, apart from Megatron itself: who writes which shard
+where (`plan`), the shared-memory buffer laid out as the HF model (`shm`), full HF-named
+tensors streamed (`export`), the receiver protocol engines implement (`receiver`), and vLLM's
+side of the load (`vllm_worker`, `vllm_inplace`). The Megatron side is `megatron.publish`."""
 
 from cwgrpo_megatron.weight_sync.export import ExportGroups, hf_tensors
 

