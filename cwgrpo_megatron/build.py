@@ -11,16 +11,19 @@ the same error instead of waiting for a peer that is gone. What was started befo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from cwgrpo_megatron.checks.sync_check import SyncVerifier
 from cwgrpo_megatron.config import Config
-from cwgrpo_megatron.data.prompt_set import build_prompt_sets
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.data.prompt_set import PromptSet, build_prompt_sets
 from cwgrpo_megatron.data.prompts import SYSTEM_PROMPT, PromptFormat, PromptSampler
 from cwgrpo_megatron.dist import (
     all_gather_objects,
@@ -39,9 +42,9 @@ from cwgrpo_megatron.megatron.conversion import (
 )
 from cwgrpo_megatron.megatron.model import DTYPES
 from cwgrpo_megatron.megatron.publish import check_engine, sync_plan, sync_weights
-from cwgrpo_megatron.megatron.train_step import build_actor
+from cwgrpo_megatron.megatron.train_step import Actor, build_actor
 from cwgrpo_megatron.reward import build_reward
-from cwgrpo_megatron.rollout import build_engine
+from cwgrpo_megatron.rollout import RolloutEngine, build_engine
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.run.run_dir import (
     RunDir,
@@ -104,10 +107,63 @@ def _reward_workers(replicas: Replicas) -> int:
 
 
 def build_trainer(cfg: Config) -> Trainer:
-    group, rank = world_group(), dist.get_rank()
-    rank0 = rank == 0
+    """Every part of the run on this rank. Each part that holds a resource registers its
+    release on one ExitStack as it is built; a failure releases what was built, and the
+    Trainer's `close` releases the rest, in one order: metric sinks, reward workers, Megatron's
+    groups, then the engines (an in-process vLLM engine ends torch.distributed)."""
+    group = world_group()
     cfg.check_world(dist.get_world_size())
-    # the same nodes on every rank: a bad rollout.replicas fails alike everywhere
+    replicas = _place_replicas(cfg, group)
+    with fail_together("preparing the run folder", group):
+        run = prepare(cfg) if dist.get_rank() == 0 else RunDir(Path(cfg.run.out_dir).resolve())
+    inputs = _read_inputs(cfg, group)
+    with contextlib.ExitStack() as stack:
+        engines: list[RolloutEngine] = []  # this rank's engine, once started: released last
+        stack.callback(_shut_down, engines)
+        parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
+        stack.callback(parallel.destroy)
+        actor = _build_actor(cfg, inputs.arch, group)
+        engine, reward = _start_rollouts(cfg, replicas, actor, inputs.arch, run, group, engines)
+        if reward is not None:
+            stack.callback(reward.close)
+        plan, verifier = _build_sync(cfg, replicas, actor, inputs.arch, engine)
+        state = LoopState(step=0, sampler=PromptSampler(len(inputs.train_set), seed=cfg.data.seed))
+        saved_line = _resume(cfg, run, actor, state, group)
+        if state.step:  # the engines still hold the start checkpoint
+            sync_weights(actor.model, inputs.arch, engine, dtype=cfg.engine_dtype, plan=plan)
+            if verifier is not None:
+                verifier.check(actor.model, inputs.arch, engine)
+        _write_run_files(run, state.step, saved_line, group)
+        tracker = Tracker(cfg, run, start_step=state.step, enabled=dist.get_rank() == 0)
+        stack.callback(tracker.close)
+        return Trainer(
+            cfg=cfg,
+            actor=actor,
+            arch=inputs.arch,
+            engine=engine,
+            replicas=replicas,
+            sync_plan=plan,
+            reward=reward,
+            tokenizer=inputs.tokenizer,
+            prompt_format=inputs.prompt_format,
+            train_set=inputs.train_set,
+            benchmarks=inputs.benchmarks,
+            run=run,
+            state=state,
+            tracker=tracker,
+            verifier=verifier,
+            resources=stack.pop_all(),
+        )
+
+
+def _shut_down(engines: list[RolloutEngine]) -> None:
+    for engine in engines:
+        engine.shutdown()
+
+
+def _place_replicas(cfg: Config, group) -> Replicas:
+    """Where the engines live; the same nodes on every rank, so a bad rollout.replicas fails
+    alike everywhere."""
     replicas = Replicas.place(
         node_of_each_rank(group), cfg.rollout.replicas, engine_tp=cfg.rollout.tp
     )
@@ -116,15 +172,30 @@ def build_trainer(cfg: Config) -> Trainer:
             f"rollout.backend={cfg.rollout.backend} has no shared weight buffer, which "
             f"{len(replicas.groups)} engine replicas need: set rollout.replicas=1 or use vllm"
         )
-    if rank0:
+    if dist.get_rank() == 0:
         log.info(
             "rollout: %d engine replicas (owners: ranks %s) on %d nodes",
             len(replicas.owners),
             ", ".join(map(str, replicas.owners)),
             len(set(replicas.nodes)),
         )
-    with fail_together("preparing the run folder", group):
-        run = prepare(cfg) if rank0 else RunDir(Path(cfg.run.out_dir).resolve())
+    return replicas
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the run reads before any model exists: the start checkpoint's architecture, the
+    tokenizer and prompt format, the training prompts and (rank 0) the evaluation problems."""
+
+    arch: ModelArch
+    tokenizer: object
+    prompt_format: PromptFormat
+    train_set: PromptSet
+    benchmarks: dict | None
+
+
+def _read_inputs(cfg: Config, group) -> Inputs:
+    rank0 = dist.get_rank() == 0
     with fail_together("loading the tokenizer and the prompts", group):
         # a missing model folder, or one that is not model.arch, fails here, clearly
         arch = start_arch(cfg.model.path, recipe=cfg.model.arch)
@@ -142,94 +213,90 @@ def build_trainer(cfg: Config) -> Trainer:
             report.skipped_rows,
             report.too_long,
         )
-    parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
+    return Inputs(arch, tokenizer, fmt, train_set, benchmarks)
+
+
+def _build_actor(cfg: Config, arch: ModelArch, group) -> Actor:
+    """The policy (model, DDP, optimizer, schedule) from model.path, in Megatron's groups."""
+    with fail_together("loading the model", group):
+        if cfg.rollout.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
+                f"{arch.max_position_embeddings} positions: lower it"
+            )
+        return build_actor(
+            arch,
+            lambda model: load_start_weights(model, arch, cfg.model.path),
+            train=cfg.train,
+            algo=cfg.algo,
+            optim=cfg.optim,
+        )
+
+
+def _start_rollouts(
+    cfg: Config,
+    replicas: Replicas,
+    actor: Actor,
+    arch: ModelArch,
+    run: RunDir,
+    group,
+    started: list[RolloutEngine],
+):
+    """(engine, reward) on each replica's owner, (None, None) elsewhere; the engine is added
+    to `started` as soon as it runs, so that a failure after it still stops it. The engine
+    starts from HF files: a Megatron start checkpoint is exported to the run folder first."""
+    engine_dir = cfg.model.path
+    if is_megatron_checkpoint(engine_dir):
+        engine_dir = export_hf(
+            actor.model, arch, run.hf, side_files_from=engine_dir, dtype=cfg.train.params_dtype
+        )
+    replica = replicas.owned_by(dist.get_rank())
     engine = reward = None
-    try:
-        path = cfg.model.path
-        with fail_together("loading the model", group):
-            if cfg.rollout.max_model_len > arch.max_position_embeddings:
-                raise ValueError(
-                    f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
-                    f"{arch.max_position_embeddings} positions: lower it"
-                )
-            actor = build_actor(
-                arch,
-                lambda model: load_start_weights(model, arch, path),
-                train=cfg.train,
-                algo=cfg.algo,
-                optim=cfg.optim,
-            )
-        engine_dir = path
-        if is_megatron_checkpoint(path):  # the engine starts from HF files: export them
-            engine_dir = export_hf(
-                actor.model, arch, run.hf, side_files_from=path, dtype=cfg.train.params_dtype
-            )
-        replica = replicas.owned_by(rank)
-        with fail_together("starting the rollout engines", group):
-            if replica is not None:
-                engine = build_engine(
-                    cfg.rollout,
-                    str(engine_dir),
-                    dtype=cfg.engine_dtype,
-                    seed=cfg.train.seed,
-                    devices=replicas.devices(replica),
-                )
-                check_engine(engine, arch)  # another model on any node fails before step 1
+    with fail_together("starting the rollout engines", group):
         if replica is not None:
-            reward = build_reward(cfg.reward, workers=_reward_workers(replicas))
-        plan = sync_plan(replicas)
-        if rank0:
-            received = plan.received_bytes(arch, DTYPES[cfg.engine_dtype])
-            log.info(
-                "weight sync: per sync each node receives from the others %s",
-                ", ".join(f"node {n}: {b / 2**20:.1f} MiB" for n, b in received.items()),
+            engine = build_engine(
+                cfg.rollout,
+                str(engine_dir),
+                dtype=cfg.engine_dtype,
+                seed=cfg.train.seed,
+                devices=replicas.devices(replica),
             )
-        verifier = None
-        if cfg.run.verify_sync:
-            verifier = SyncVerifier(min_tol=cfg.run.verify_sync_tol)
-            gap = verifier.calibrate(actor.model, arch, engine)
-            if rank0:
-                tol = verifier.tol
-                log.info(
-                    "sync check: start gap %.2e (mean %.2e), tolerance %.2e (mean %.2e)",
-                    *(gap.max, gap.mean, tol.max, tol.mean),
-                )
-        state = LoopState(step=0, sampler=PromptSampler(len(train_set), seed=cfg.data.seed))
-        saved_line = _resume(cfg, run, actor, state, group)
-        if state.step:  # the engines still hold the start checkpoint
-            sync_weights(actor.model, arch, engine, dtype=cfg.engine_dtype, plan=plan)
-            if verifier is not None:
-                verifier.check(actor.model, arch, engine)
-        hostnames = all_gather_objects(socket.gethostname(), group)
-        if rank0:
-            rewind_metrics(run.metrics, step=state.step, saved_line=saved_line)
-            write_env(run, layout=parallel.layout(), hostnames=hostnames)
-        tracker = Tracker(cfg, run, start_step=state.step, enabled=rank0)
-    except BaseException:
-        # Trainer.close's order: an in-process vLLM engine ends torch.distributed, so it goes last
-        if reward is not None:
-            reward.close()
-        parallel.destroy()
-        if engine is not None:
-            engine.shutdown()
-        raise
-    return Trainer(
-        cfg=cfg,
-        actor=actor,
-        arch=arch,
-        engine=engine,
-        replicas=replicas,
-        sync_plan=plan,
-        reward=reward,
-        tokenizer=tokenizer,
-        prompt_format=fmt,
-        train_set=train_set,
-        benchmarks=benchmarks,
-        run=run,
-        state=state,
-        tracker=tracker,
-        verifier=verifier,
-    )
+            started.append(engine)
+            check_engine(engine, arch)  # another model on any node fails before step 1
+    if replica is not None:
+        reward = build_reward(cfg.reward, workers=_reward_workers(replicas))
+    return engine, reward
+
+
+def _build_sync(cfg: Config, replicas: Replicas, actor: Actor, arch: ModelArch, engine):
+    """The weight sync's plan, and the verifier when run.verify_sync asks for one (calibrated
+    on the start checkpoint, which trainer and engines both hold now)."""
+    plan = sync_plan(replicas)
+    if dist.get_rank() == 0:
+        received = plan.received_bytes(arch, DTYPES[cfg.engine_dtype])
+        log.info(
+            "weight sync: per sync each node receives from the others %s",
+            ", ".join(f"node {n}: {b / 2**20:.1f} MiB" for n, b in received.items()),
+        )
+    if not cfg.run.verify_sync:
+        return plan, None
+    verifier = SyncVerifier(min_tol=cfg.run.verify_sync_tol)
+    gap = verifier.calibrate(actor.model, arch, engine)
+    if dist.get_rank() == 0:
+        tol = verifier.tol
+        log.info(
+            "sync check: start gap %.2e (mean %.2e), tolerance %.2e (mean %.2e)",
+            *(gap.max, gap.mean, tol.max, tol.mean),
+        )
+    return plan, verifier
+
+
+def _write_run_files(run: RunDir, step: int, saved_line: dict | None, group) -> None:
+    """env.json, and metrics.jsonl rewound to the resumed step (rank 0)."""
+    hostnames = all_gather_objects(socket.gethostname(), group)
+    if dist.get_rank() == 0:
+        rewind_metrics(run.metrics, step=step, saved_line=saved_line)
+        write_env(run, layout=parallel.layout(), hostnames=hostnames)
 
 
 def _same_model_everywhere(arch, path: str, group) -> None:

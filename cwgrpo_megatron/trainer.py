@@ -19,6 +19,7 @@ Step k (1-based), on every rank of the job:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -28,12 +29,12 @@ import torch.distributed as dist
 
 from cwgrpo_megatron.algo.advantages import get_advantage_estimator
 from cwgrpo_megatron.config import Config
-from cwgrpo_megatron.data.batching import batch_from_rollouts
+from cwgrpo_megatron.data.batching import TrainBatch, batch_from_rollouts
 from cwgrpo_megatron.data.prompts import PromptSampler
 from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, world_group
 from cwgrpo_megatron.eval.runner import evaluate, write_json
 from cwgrpo_megatron.files import write_atomic
-from cwgrpo_megatron.megatron import parallel, train_checkpoint
+from cwgrpo_megatron.megatron import train_checkpoint
 from cwgrpo_megatron.megatron.conversion import export_hf
 from cwgrpo_megatron.megatron.publish import sync_weights
 from cwgrpo_megatron.megatron.train_step import train_step
@@ -112,6 +113,8 @@ class Trainer:
     state: LoopState
     tracker: Tracker
     verifier: SyncVerifier | None
+    resources: contextlib.ExitStack
+    """The releases of what the parts hold, registered as `build_trainer` built them."""
 
     def fit(self) -> None:
         if self.cfg.run.eval_at_start and self.cfg.eval.benchmarks and self.state.step == 0:
@@ -130,14 +133,7 @@ class Trainer:
                 groups = self.generate(prompts)
             with timer("reward"):
                 scored = self.score(prompts, groups)
-            batch = batch_from_rollouts(
-                scored,
-                torch.tensor([g.rewards for g in scored]),
-                mask_truncated=cfg.train.mask_truncated,
-                estimator=get_advantage_estimator(cfg.algo.advantage_estimator),
-                std_normalize=cfg.algo.adv_std_normalize,
-                adv_eps=cfg.algo.adv_eps,
-            )
+            batch = self.advantages(scored)
             results = train_step(self.actor, batch, timer=timer)
             with timer("sync"):
                 checked = self.sync(step)
@@ -215,6 +211,19 @@ class Trainer:
 
         pieces = all_gather_or_fail(mine, "scoring the rollouts", world_group())
         return sorted((g for piece in pieces for g in piece), key=lambda g: g.position)
+
+    def advantages(self, scored) -> TrainBatch:
+        """Each group's advantages from its rewards, and the step's TrainBatch: the same on
+        every rank, which `train_step` splits over data-parallel ranks and micro-batches."""
+        a = self.cfg.algo
+        return batch_from_rollouts(
+            scored,
+            torch.tensor([g.rewards for g in scored]),
+            mask_truncated=self.cfg.train.mask_truncated,
+            estimator=get_advantage_estimator(a.advantage_estimator),
+            std_normalize=a.adv_std_normalize,
+            adv_eps=a.adv_eps,
+        )
 
     def sync(self, step: int) -> dict[str, float]:
         """Weights into every engine: the most MiB a node received from the others; when the
@@ -304,14 +313,9 @@ class Trainer:
         write_samples(self.run.samples(step, gzipped=self.cfg.run.samples_gzip), records)
 
     def close(self) -> None:
-        """Release what the run holds: sinks, reward workers, Megatron's groups, the engine (an
-        in-process vLLM engine ends torch.distributed's default group: it goes last)."""
-        self.tracker.close()
-        if self.reward is not None:
-            self.reward.close()
-        parallel.destroy()
-        if self.engine is not None:
-            self.engine.shutdown()
+        """Release what the run holds, in the order `build_trainer` declared: sinks, reward
+        workers, Megatron's groups, the engine."""
+        self.resources.close()
 
 
 def _due(step: int, every: int, last: int, *, always_last: bool = False) -> bool:
