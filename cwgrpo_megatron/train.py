@@ -21,7 +21,9 @@ examples:
   torchrun --nproc-per-node 8 -m cwgrpo_megatron.train --config configs/qwen2p5_math_7b.yaml \\
       model.path=/models/Qwen2.5-Math-7B data.train_files=[/data/open-rs/train.jsonl]
 
-Every key of every section is documented in cwgrpo_megatron/config.py."""
+Every key is a documented field of a settings dataclass: cwgrpo_megatron/config.py (model,
+parallel, optim, train, run, logging) and the config.py of algo/, data/, reward/, rollout/
+and eval/."""
 
 
 def parse(argv=None) -> argparse.Namespace:
