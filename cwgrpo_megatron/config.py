@@ -27,12 +27,12 @@ from typing import Any
 import yaml
 
 from cwgrpo_megatron.algo.config import AlgoConfig
+from cwgrpo_megatron.common.settings import ConfigWarning, check_choice, check_range
 from cwgrpo_megatron.data.config import DataConfig
 from cwgrpo_megatron.data.names import CHAT_TEMPLATES
 from cwgrpo_megatron.eval.config import EvalConfig
 from cwgrpo_megatron.reward.config import RewardConfig
 from cwgrpo_megatron.rollout.config import RolloutConfig
-from cwgrpo_megatron.settings import ConfigWarning, check_choice, check_range
 
 __all__ = [
     "AlgoConfig",
@@ -416,7 +416,7 @@ def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
 def dump_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML, atomically (temp file in the same folder, rename)."""
-    from cwgrpo_megatron.files import write_atomic
+    from cwgrpo_megatron.common.files import write_atomic
 
     write_atomic(path, yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 

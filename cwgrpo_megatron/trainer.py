@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 
 from cwgrpo_megatron.algo.advantages import get_advantage_estimator
+from cwgrpo_megatron.common.files import write_atomic
+from cwgrpo_megatron.common.timing import PhaseTimer
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.data.batching import TrainBatch, batch_from_rollouts
 from cwgrpo_megatron.data.prompts import PromptSampler
 from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, world_group
 from cwgrpo_megatron.eval.runner import evaluate, write_json
-from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.megatron import train_checkpoint
 from cwgrpo_megatron.megatron.conversion import export_hf
 from cwgrpo_megatron.megatron.publish import sync_weights
@@ -49,7 +50,6 @@ from cwgrpo_megatron.run.step_metrics import (
     step_tokens,
     timing_metrics,
 )
-from cwgrpo_megatron.timing import PhaseTimer
 
 if TYPE_CHECKING:
     from cwgrpo_megatron.checks.sync_check import SyncVerifier

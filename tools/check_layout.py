@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from cwgrpo_megatron.checks import layout_check, layout_verdict
-    from cwgrpo_megatron.files import write_atomic
+    from cwgrpo_megatron.common.files import write_atomic
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
 
     setup = {

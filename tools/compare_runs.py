@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet", action="store_true", help="print only where the files went")
     args = parser.parse_args(argv)
     from cwgrpo_megatron.analysis.run_compare import label_runs, markdown, plot
-    from cwgrpo_megatron.files import write_atomic
+    from cwgrpo_megatron.common.files import write_atomic
 
     try:
         runs = label_runs(args.runs, args.label)

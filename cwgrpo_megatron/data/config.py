@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from cwgrpo_megatron.common.settings import check_choice, check_range
 from cwgrpo_megatron.data.names import SCHEMAS
-from cwgrpo_megatron.settings import check_choice, check_range
 
 
 @dataclass(kw_only=True, frozen=True)

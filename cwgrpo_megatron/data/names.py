@@ -2,7 +2,7 @@
 check a name here, and `data/prompts.py` / `data/synthetic.py` register the implementations
 when imported."""
 
-from cwgrpo_megatron.registry import Registry
+from cwgrpo_megatron.common.registry import Registry
 
 SCHEMAS = Registry("dataset schema", defined_in="cwgrpo_megatron.data.prompts")
 SYNTHETIC_TASKS = Registry("synthetic task", defined_in="cwgrpo_megatron.data.synthetic")

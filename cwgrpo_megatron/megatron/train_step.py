@@ -45,6 +45,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
 from cwgrpo_megatron.algo.config import AlgoConfig
 from cwgrpo_megatron.algo.metrics import Metrics, finalize, histograms, merge
+from cwgrpo_megatron.common.timing import PhaseTimer
 from cwgrpo_megatron.config import OptimConfig, TrainConfig
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.data.batching import MicroBatch, TrainBatch
@@ -59,7 +60,6 @@ from cwgrpo_megatron.dist import (
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.forward import forward_only
 from cwgrpo_megatron.megatron.model import DTYPES, build_model
-from cwgrpo_megatron.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
 

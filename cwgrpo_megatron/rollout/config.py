@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
+from cwgrpo_megatron.common.settings import check_choice, check_range
 from cwgrpo_megatron.rollout.names import LONG_PROMPT_POLICIES, ROLLOUT_BACKENDS
-from cwgrpo_megatron.settings import check_choice, check_range
 
 DTYPE_NAMES = ("float32", "bfloat16")
 

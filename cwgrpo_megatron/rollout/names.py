@@ -2,7 +2,7 @@
 registers them, each importing its engine only when asked for): settings
 (`rollout/config.py`) check a name here."""
 
-from cwgrpo_megatron.registry import Registry
+from cwgrpo_megatron.common.registry import Registry
 
 ROLLOUT_BACKENDS = Registry("rollout backend", defined_in="cwgrpo_megatron.rollout")
 LONG_PROMPT_POLICIES = ("error", "truncate")

@@ -26,8 +26,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from cwgrpo_megatron.common.files import write_atomic
 from cwgrpo_megatron.config import Config, dump_config
-from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.megatron import train_checkpoint
 
 PACKAGES = (

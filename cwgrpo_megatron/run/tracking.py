@@ -15,8 +15,8 @@ import uuid
 
 from tqdm import tqdm
 
+from cwgrpo_megatron.common.files import write_atomic
 from cwgrpo_megatron.config import Config
-from cwgrpo_megatron.files import write_atomic
 from cwgrpo_megatron.run.run_dir import RunDir
 from cwgrpo_megatron.run.step_metrics import PHASES, Histogram
 

@@ -26,9 +26,9 @@ find_cycle = ARCH["find_cycle"]
 # registries, atomic writes (dump_config), and a model's description (json and arithmetic)
 # for model.arch's check
 SETTINGS_ALLOWED = {
-    "cwgrpo_megatron.settings",
-    "cwgrpo_megatron.registry",
-    "cwgrpo_megatron.files",
+    "cwgrpo_megatron.common.settings",
+    "cwgrpo_megatron.common.registry",
+    "cwgrpo_megatron.common.files",
     "cwgrpo_megatron.convert.arch",
 }
 

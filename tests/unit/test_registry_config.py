@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from cwgrpo_megatron.common.registry import Registry
 from cwgrpo_megatron.config import AlgoConfig, Config, dump_config, load_config
-from cwgrpo_megatron.registry import Registry
 
 
 def test_registry_lists_names_on_unknown():
