@@ -32,11 +32,15 @@ PEER := $(VENV)/peer-wheels/.fetched
 $(PEER): $(STAMP)
 	$(PY) -m tests.peer.verl_core && touch $@ || echo "verl's wheel was not fetched: its parity tests skip"
 
-# Every tier (pytest.ini: unit, dist, e2e, bench).
+# Every tier (pytest.ini: unit, dist, e2e, bench), on TEST_WORKERS pytest processes (xdist).
+# Alone, one pytest process keeps 1.2 of 2 cores busy: its launches wait on process start-up
+# and on each other. An idle worker takes tests from the other's queue (worksteal). Each
+# worker holds its own distributed pools and engines: a worker more needs about 6 GiB more.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(PEER)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 # The inner loop: lint and the unit tier (one process, no engine), in well under two minutes.
 check: $(STAMP) $(PEER)

