@@ -39,7 +39,7 @@ VOCAB = 1024
 
 def model_settings() -> dict:
     """The layout check's tiny Qwen2, wider and with room for MATH-500's longest rows."""
-    from cwgrpo_megatron.checks.layout_check import TINY_QWEN2
+    from cwgrpo_megatron.checks.tiny import TINY_QWEN2
 
     return {
         **TINY_QWEN2,

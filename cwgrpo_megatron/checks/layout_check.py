@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from cwgrpo_megatron.checks.symmetry import ChannelPermutation
+from cwgrpo_megatron.checks.tiny import tiny_qwen2
 from cwgrpo_megatron.config import Config, load_config
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.data.batching import synthetic_batch
@@ -23,26 +24,6 @@ from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.model import load_hf_weights
 from cwgrpo_megatron.megatron.publish import hf_weights, in_engine_group
 from cwgrpo_megatron.megatron.train_step import build_actor, param_checksum, train_step
-
-TINY_QWEN2 = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    vocab_size=1000,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    architectures=["Qwen2ForCausalLM"],
-)
-
-
-def tiny_qwen2(seed: int):
-    """A tiny random Qwen2 built with transformers from a config (nothing downloaded)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2))
 
 
 def hf_source(*, seed: int = 0, hf_dir: str | None = None, num_layers: int | None = None):

@@ -1,6 +1,11 @@
-"""A tiny random Qwen2 checkpoint with a locally trained tokenizer, for tests, demos and
-benchmarks (nothing downloaded). vLLM's CPU attention needs a supported head size: hidden 128
-with 4 heads gives 32."""
+"""The tiny random models of the self-checks, tests, demos and benchmarks, in one place
+(nothing downloaded; each is built with transformers from a config):
+
+    TINY_QWEN2         the layout check's model (`tiny_qwen2`): hidden 64, 4 layers, untied
+    TINY_ENGINE_QWEN2  a checkpoint that vLLM can serve, with a locally trained tokenizer
+                       (`save_tiny_qwen2`): vLLM's CPU attention needs a supported head size,
+                       and hidden 128 with 4 heads gives 32
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,17 @@ from pathlib import Path
 
 import torch
 
+TINY_QWEN2 = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=1000,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    architectures=["Qwen2ForCausalLM"],
+)
 TINY_ENGINE_QWEN2 = dict(
     hidden_size=128,
     num_hidden_layers=2,
@@ -26,6 +42,14 @@ _CORPUS = [
     "<think>\nWe add the numbers.\n</think>\nThe sum of 12 and 30 is \\boxed{42}.",
     "Compute the area of a circle of radius 2: pi r^2 = 4 pi.",
 ]
+
+
+def tiny_qwen2(seed: int):
+    """The layout check's random Qwen2 (TINY_QWEN2), in memory, from `seed`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2))
 
 
 def train_tokenizer(vocab_size: int = 400):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from cwgrpo_megatron.checks.layout_check import TINY_QWEN2
+from cwgrpo_megatron.checks.tiny import TINY_QWEN2
 
 # the architecture of the layout check's tiny Qwen2, with vocab / tying / class set per case
 BASE = {

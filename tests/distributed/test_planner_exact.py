@@ -13,7 +13,7 @@ CASES = [(dtype, distopt) for dtype in ("float32", "bfloat16") for distopt in (F
 
 
 def _arch(name):
-    from cwgrpo_megatron.checks.layout_check import TINY_QWEN2
+    from cwgrpo_megatron.checks.tiny import TINY_QWEN2
     from cwgrpo_megatron.convert.arch import ModelArch
 
     # an odd vocabulary, so that padding to 128 x tp shows
