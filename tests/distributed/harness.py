@@ -182,9 +182,7 @@ def _threads() -> int:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a process of another user took the number
+    except (ProcessLookupError, PermissionError):  # gone, or its number reused by another user
         return False
     return True
 
@@ -232,8 +230,9 @@ def _serve(rank: int, world_size: int, parent: int, tasks, results) -> None:
 
 # Workers start from a fork server that has imported these once: a worker begins with them in
 # memory instead of paying the torch + Megatron + transformers import again (about 6 s of CPU
-# per worker on 2 cores, and the suite starts dozens). The server is a fresh interpreter that
-# imports only these and never runs a task, so a worker inherits no thread, group or engine.
+# per worker on 2 cores; `make test` starts 17, more after a failed task). The server is a fresh
+# interpreter that imports only these and never runs a task, so a worker inherits no thread,
+# group or engine.
 _PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "transformers", __name__]
 
 
