@@ -123,7 +123,6 @@ def test_engine_processes_of_a_killed_trainer_are_cleaned_up_on_start(
 
     from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
     from cwgrpo_megatron.rollout import vllm_engine
-    from cwgrpo_megatron.rollout.vllm_engine import kill_orphaned_engines
 
     # the trainer's records in a folder of this test's own: an engine that another pytest
     # worker starts meanwhile cleans up the shared folder, and would take the kill from here
@@ -140,6 +139,6 @@ def test_engine_processes_of_a_killed_trainer_are_cleaned_up_on_start(
     trainer.kill()
     trainer.join()
     assert any(p.is_running() for p in orphans)  # vLLM leaves them behind
-    assert kill_orphaned_engines() >= 1
+    assert vllm_engine.kill_orphaned_engines() >= 1
     psutil.wait_procs(orphans, timeout=10)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in orphans)
