@@ -9,13 +9,13 @@ All modes train the same random Qwen2 on two trainer processes from the same con
     2, PP2      the same two nodes at PP2, one stage a node: each node's sync receives the
                 other stage over the network (gloo on loopback here)
 
-Per step, after `--warmup` untimed steps, rank 0 times the rollout phase (`Trainer.generate`:
-every replica generates its share, the slowest sets the time), the sync (`Trainer.sync`: each
+Per step, after `--warmup` untimed steps, rank 0 times the rollout phase (`Rollouts.generate`:
+every replica generates its share, the slowest sets the time), the sync (`WeightSync.push`: each
 node's ranks write their shards into their engine's buffer; at DP2 each node holds the whole
 model, so nothing crosses nodes; at PP2 each receives the stage it lacks) and the cross-replica
 collectives that the loop adds around them, with the step's own payload: the failure agreement
 after generation (`fail_together`) and the all-gather that assembles the step's scored groups
-on every rank (`Trainer.score`). The table gives medians over the timed steps, and the range
+on every rank (`Rollouts.score`). The table gives medians over the timed steps, and the range
 of the rollout's seconds: two engines on one machine vary from step to step and run to run.
 
 Completions have no end token (`end_tokens=0`): every completion is `--tokens` long. On a
@@ -92,13 +92,16 @@ def worker(args) -> None:
         world = world_group()
         try:
             for step in range(1, args.warmup + args.steps + 1):
-                prompts = trainer.draw_prompts(step)
+                rollouts, weights = trainer.rollouts, trainer.sync
+                prompts = rollouts.draw(step)
                 start = time.perf_counter()
-                groups = trainer.generate(prompts)
+                groups = rollouts.generate(prompts)
                 rollout = time.perf_counter() - start
-                scored = trainer.score(prompts, groups)
+                scored = rollouts.score(prompts, groups)
                 start = time.perf_counter()
-                received = trainer.sync(step)["sync/received_mb"]
+                verify = weights.due(step)
+                pushed = weights.push(trainer.actor.model, rollouts.engine, verify=verify)
+                received = pushed["sync/received_mb"]
                 sync = time.perf_counter() - start
                 # the loop's cross-replica collectives again, alone, with this step's payload
                 mine = [g for g in scored if g.position in prompts.positions]

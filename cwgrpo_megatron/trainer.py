@@ -1,6 +1,7 @@
 """The CW-GRPO training loop (DESIGN section 4): one call per phase, into the package that owns it.
 
-Step k (1-based), on every rank of the job:
+Step k (1-based), on every rank of the job (steps 1-3 are `components.rollouts.Rollouts`,
+step 10 is `components.sync.WeightSync`):
 
     1. prompts     the sampler draws the step's P prompts (the same on every rank); each
                    engine replica's owner takes its share (`rollout.replicas.Replicas.share`)
@@ -22,10 +23,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from cwgrpo_megatron.algo.advantages import get_advantage_estimator
 from cwgrpo_megatron.common.files import write_atomic
@@ -33,15 +33,12 @@ from cwgrpo_megatron.common.timing import PhaseTimer
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.data.batching import TrainBatch, batch_from_rollouts
 from cwgrpo_megatron.data.prompts import PromptSampler
-from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, world_group
+from cwgrpo_megatron.dist import fail_together, world_group
 from cwgrpo_megatron.eval.runner import evaluate, write_json
 from cwgrpo_megatron.megatron import train_checkpoint
 from cwgrpo_megatron.megatron.conversion import export_hf
-from cwgrpo_megatron.megatron.publish import sync_weights
 from cwgrpo_megatron.megatron.train_step import train_step
-from cwgrpo_megatron.reward.scoring import score_groups
-from cwgrpo_megatron.rollout import sampling_config
-from cwgrpo_megatron.rollout.base import SamplingConfig, rollout_seed
+from cwgrpo_megatron.rollout.base import SamplingConfig
 from cwgrpo_megatron.run.run_dir import write_samples
 from cwgrpo_megatron.run.step_metrics import (
     actor_metrics,
@@ -52,17 +49,13 @@ from cwgrpo_megatron.run.step_metrics import (
 )
 
 if TYPE_CHECKING:
-    from cwgrpo_megatron.checks.sync_check import SyncVerifier
-    from cwgrpo_megatron.convert.arch import ModelArch
-    from cwgrpo_megatron.data.prompt_set import PromptSet
-    from cwgrpo_megatron.data.prompts import Problem, PromptFormat
+    from cwgrpo_megatron.components.inputs import Inputs
+    from cwgrpo_megatron.components.rollouts import Rollouts
+    from cwgrpo_megatron.components.sync import WeightSync
     from cwgrpo_megatron.megatron.train_step import Actor
-    from cwgrpo_megatron.reward import WeightedReward
-    from cwgrpo_megatron.rollout.base import RolloutEngine
-    from cwgrpo_megatron.rollout.replicas import Replicas
+    from cwgrpo_megatron.reward.scoring import ScoredGroup
     from cwgrpo_megatron.run.run_dir import RunDir
     from cwgrpo_megatron.run.tracking import Tracker
-    from cwgrpo_megatron.weight_sync.plan import SyncPlan
 
 
 @dataclass
@@ -82,37 +75,21 @@ class LoopState:
         self.sampler.load_state_dict(state["sampler"])
 
 
-class StepPrompts(NamedTuple):
-    """This rank's share of a step's prompts: positions in the step, problems, prompt token ids
-    and sampling seeds (all empty on ranks that own no engine)."""
-
-    positions: list[int]
-    problems: list[Problem]
-    token_ids: list[list[int]]
-    seeds: list[int]
-
-
 @dataclass(kw_only=True)
 class Trainer:
-    """The parts of a run (built by `build.build_trainer`); rank-specific ones are None where a
-    rank has no use for them: an engine and a reward on each replica's owner, the evaluation
-    benchmarks on rank 0 (which owns the first replica)."""
+    """The parts of a run (built by `build.build_trainer`). Rank-specific ones are None where a
+    rank has no use for them: an engine and a reward on each replica's owner
+    (`rollouts.engine`, `rollouts.reward`), the evaluation benchmarks on rank 0, which owns the
+    first replica (`inputs.benchmarks`)."""
 
     cfg: Config
+    inputs: Inputs
     actor: Actor
-    arch: ModelArch
-    engine: RolloutEngine | None
-    replicas: Replicas
-    sync_plan: SyncPlan
-    reward: WeightedReward | None
-    tokenizer: object
-    prompt_format: PromptFormat
-    train_set: PromptSet
-    benchmarks: dict[str, list[Problem]] | None
+    rollouts: Rollouts
+    sync: WeightSync
     run: RunDir
     state: LoopState
     tracker: Tracker
-    verifier: SyncVerifier | None
     resources: contextlib.ExitStack
     """The releases of what the parts hold, registered as `build_trainer` built them."""
 
@@ -128,15 +105,16 @@ class Trainer:
         """Step `state.step + 1`, phase by phase (the module docstring); its metrics line."""
         cfg, timer, step = self.cfg, PhaseTimer(), self.state.step + 1
         with timer("step"):
-            prompts = self.draw_prompts(step)
+            prompts = self.rollouts.draw(step)
             with timer("rollout"):
-                groups = self.generate(prompts)
+                groups = self.rollouts.generate(prompts)
             with timer("reward"):
-                scored = self.score(prompts, groups)
+                scored = self.rollouts.score(prompts, groups)
             batch = self.advantages(scored)
             results = train_step(self.actor, batch, timer=timer)
             with timer("sync"):
-                checked = self.sync(step)
+                verify = self.sync.due(step)
+                checked = self.sync.push(self.actor.model, self.rollouts.engine, verify=verify)
             metrics = {**rollout_metrics(scored), **actor_metrics(results), **checked}
             self.write_samples(step, scored)
             if _due(step, cfg.run.eval_every, cfg.rollout_steps) and self.cfg.eval.benchmarks:
@@ -167,53 +145,8 @@ class Trainer:
 
     # ---- the phases ----------------------------------------------------------------------
 
-    def draw_prompts(self, step: int) -> StepPrompts:
-        """The step's prompts that this rank's engine samples (every rank advances the sampler
-        alike); none on ranks without an engine."""
-        t = self.cfg.train
-        indices = self.state.sampler.next_indices(t.prompts_per_step)
-        replica = self.replicas.owned_by(dist.get_rank())
-        positions = []
-        if replica is not None:
-            positions = list(self.replicas.share(replica, t.prompts_per_step))
-        return StepPrompts(
-            positions=positions,
-            problems=[self.train_set.problems[indices[j]] for j in positions],
-            token_ids=[self.train_set.token_ids[indices[j]] for j in positions],
-            seeds=[rollout_seed(t.seed, step, j, t.group_size) for j in positions],
-        )
-
-    def generate(self, prompts: StepPrompts) -> list:
-        """G completions of each of this rank's prompts from its engine; every rank learns of
-        a failure on any replica (one all_gather_object of a status), so none waits for a
-        replica whose engine is gone."""
-        with fail_together("generating the rollouts", world_group()):
-            if not prompts.positions:
-                return []
-            n = self.cfg.train.group_size
-            sampling = sampling_config(self.cfg.rollout, temperature=self.cfg.train.temperature)
-            return self.engine.generate(prompts.token_ids, n, sampling, seeds=prompts.seeds)
-
-    def score(self, prompts: StepPrompts, groups) -> list:
-        """Each owner scores its groups; one all-gather assembles the step's `ScoredGroup`s on
-        every rank, in prompt order."""
-
-        def mine():
-            if self.reward is None:
-                return []
-            return score_groups(
-                prompts.positions,
-                prompts.problems,
-                groups,
-                tokenizer=self.tokenizer,
-                reward=self.reward,
-            )
-
-        pieces = all_gather_or_fail(mine, "scoring the rollouts", world_group())
-        return sorted((g for piece in pieces for g in piece), key=lambda g: g.position)
-
-    def advantages(self, scored) -> TrainBatch:
-        """Each group's advantages from its rewards, and the step's TrainBatch: the same on
+    def advantages(self, scored: list[ScoredGroup]) -> TrainBatch:
+        """Step 4: each group's advantages from its rewards, and the step's TrainBatch: the same on
         every rank, which `train_step` splits over data-parallel ranks and micro-batches."""
         a = self.cfg.algo
         return batch_from_rollouts(
@@ -225,26 +158,11 @@ class Trainer:
             adv_eps=a.adv_eps,
         )
 
-    def sync(self, step: int) -> dict[str, float]:
-        """Weights into every engine: the most MiB a node received from the others; when the
-        check is due, the worst engine's gap and the tolerance."""
-        done = sync_weights(
-            self.actor.model, self.arch, self.engine, dtype=self.cfg.engine_dtype,
-            plan=self.sync_plan,
-        )  # fmt: skip
-        metrics = {"sync/received_mb": max(done.received.values()) / 2**20}
-        every = self.cfg.run.verify_sync
-        if not every or step % every:
-            return metrics
-        gap, tol = self.verifier.check(self.actor.model, self.arch, self.engine), self.verifier.tol
-        return {**metrics, "sync/gap": gap.max, "sync/tol": tol.max, "sync/gap_mean": gap.mean,
-                "sync/tol_mean": tol.mean}  # fmt: skip
-
     def evaluate(self, step: int) -> dict[str, float]:
         """Benchmarks through rank 0's engine (the other ranks wait for its verdict)."""
         e, metrics = self.cfg.eval, {}
         with fail_together("evaluation", world_group()):
-            if self.benchmarks is not None:
+            if self.inputs.benchmarks is not None:
                 sampling = SamplingConfig(
                     temperature=e.temperature,
                     top_p=e.top_p,
@@ -252,13 +170,13 @@ class Trainer:
                     seed=e.seed,
                 )
                 result = evaluate(
-                    self.engine,
-                    self.tokenizer,
-                    self.benchmarks,
+                    self.rollouts.engine,
+                    self.inputs.tokenizer,
+                    self.inputs.benchmarks,
                     n=e.n,
                     sampling=sampling,
-                    prompt_format=self.prompt_format,
-                    reward=self.reward.verifier,
+                    prompt_format=self.inputs.prompt_format,
+                    reward=self.rollouts.reward.verifier,
                     progress=False,
                 )
                 write_json(result, self.run.eval(step))
@@ -282,7 +200,7 @@ class Trainer:
     def export(self) -> None:
         export_hf(
             self.actor.model,
-            self.arch,
+            self.inputs.arch,
             self.run.hf,
             side_files_from=self.cfg.model.path,
             dtype=self.cfg.train.params_dtype,
@@ -296,7 +214,7 @@ class Trainer:
                 "step": step,
                 "position": g.position,
                 "problem_id": g.problem_id,
-                "prompt": self.tokenizer.decode(g.prompt_ids, skip_special_tokens=False),
+                "prompt": self.inputs.tokenizer.decode(g.prompt_ids, skip_special_tokens=False),
                 "answer": g.answer,
                 "completion": text,
                 "tokens": len(c.token_ids),

@@ -10,11 +10,11 @@ A step's P prompts are split into R contiguous shares, one per replica, by posit
     replica r samples positions [r P // R, (r + 1) P // R)
 
 The owner generates its share and scores it; one all-gather then gives every rank the whole
-step (`trainer.Trainer.score`). Every rank already holds the step's prompts (the sampler is the
-same on every rank), so nothing is sent to an engine, and the shares do not depend on the
-data-parallel layout: with pipeline stages on other nodes every replica still works. Sampling
-seeds are a function of (seed, step, position) (`rollout.base.rollout_seed`), so the completions
-do not depend on the number of replicas either.
+step (`components.rollouts.Rollouts.score`). Every rank already holds the step's prompts (the
+sampler is the same on every rank), so nothing is sent to an engine, and the shares do not
+depend on the data-parallel layout: with pipeline stages on other nodes every replica still
+works. Sampling seeds are a function of (seed, step, position) (`rollout.base.rollout_seed`),
+so the completions do not depend on the number of replicas either.
 
 Pure bookkeeping: the node of every rank comes from `dist.node_of_each_rank`.
 """

@@ -1,0 +1,184 @@
+"""Steps 1-3 of a training step: the prompts, their rollouts and their rewards.
+
+    Rollouts = prompt sampler + engine replicas (where the engines live) + this rank's engine
+               and reward worker pool (on each replica's owner; None elsewhere)
+
+Prompt j of step k is sampled with `rollout_seed(train.seed, k, j)`, whatever the layout, the
+number of replicas or the history, and each completion is scored once in the whole job, by the
+owner of the replica that sampled it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from cwgrpo_megatron.components.inputs import Inputs
+from cwgrpo_megatron.config import Config, TrainConfig
+from cwgrpo_megatron.data.prompts import Problem, PromptSampler
+from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, node_of_each_rank, world_group
+from cwgrpo_megatron.megatron.conversion import export_hf, is_megatron_checkpoint
+from cwgrpo_megatron.megatron.publish import check_engine
+from cwgrpo_megatron.megatron.train_step import Actor
+from cwgrpo_megatron.reward import WeightedReward, build_reward
+from cwgrpo_megatron.reward.scoring import ScoredGroup, score_groups
+from cwgrpo_megatron.rollout import RolloutConfig, RolloutEngine, build_engine, sampling_config
+from cwgrpo_megatron.rollout.base import RolloutGroup, rollout_seed
+from cwgrpo_megatron.rollout.replicas import Replicas
+from cwgrpo_megatron.run.run_dir import RunDir
+
+log = logging.getLogger("cwgrpo_megatron.train")
+
+
+class StepPrompts(NamedTuple):
+    """This rank's share of a step's prompts: positions in the step, problems, prompt token ids
+    and sampling seeds (all empty on ranks that own no engine)."""
+
+    positions: list[int]
+    problems: list[Problem]
+    token_ids: list[list[int]]
+    seeds: list[int]
+
+
+@dataclass(kw_only=True)
+class Rollouts:
+    rollout: RolloutConfig
+    train: TrainConfig
+    inputs: Inputs
+    sampler: PromptSampler
+    """The step's prompt indices, the same on every rank; its position is checkpointed."""
+    replicas: Replicas
+    engine: RolloutEngine | None
+    reward: WeightedReward | None
+
+    @staticmethod
+    def place(cfg: Config, group) -> Replicas:
+        """Where the engines live: the same on every rank (one all_gather_object of the
+        hostnames), so that a bad rollout.replicas fails alike everywhere."""
+        replicas = Replicas.place(
+            node_of_each_rank(group), cfg.rollout.replicas, engine_tp=cfg.rollout.tp
+        )
+        if len(replicas.groups) > 1 and cfg.rollout.backend != "vllm":
+            raise ValueError(
+                f"rollout.backend={cfg.rollout.backend} has no shared weight buffer, which "
+                f"{len(replicas.groups)} engine replicas need: set rollout.replicas=1 or use vllm"
+            )
+        if dist.get_rank() == 0:
+            log.info(
+                "rollout: %d engine replicas (owners: ranks %s) on %d nodes",
+                len(replicas.owners),
+                ", ".join(map(str, replicas.owners)),
+                len(set(replicas.nodes)),
+            )
+        return replicas
+
+    @classmethod
+    def build(
+        cls,
+        cfg: Config,
+        replicas: Replicas,
+        inputs: Inputs,
+        actor: Actor,
+        run: RunDir,
+        group,
+        *,
+        engines: contextlib.ExitStack,
+        stack: contextlib.ExitStack,
+    ) -> Rollouts:
+        """Start each replica's engine on its owner (from model.path; a Megatron start
+        checkpoint is exported to the run folder first) and its reward workers. The engine's
+        shutdown goes on `engines` as soon as it runs, the workers' on `stack`, so that a
+        failure after either still releases it. The engine's model is checked against the
+        trainer's on every node before step 1."""
+        engine_dir = cfg.model.path
+        if is_megatron_checkpoint(engine_dir):
+            engine_dir = export_hf(
+                actor.model,
+                inputs.arch,
+                run.hf,
+                side_files_from=engine_dir,
+                dtype=cfg.train.params_dtype,
+            )
+        replica = replicas.owned_by(dist.get_rank())
+        engine = reward = None
+        with fail_together("starting the rollout engines", group):
+            if replica is not None:
+                engine = build_engine(
+                    cfg.rollout,
+                    str(engine_dir),
+                    dtype=cfg.engine_dtype,
+                    seed=cfg.train.seed,
+                    devices=replicas.devices(replica),
+                )
+                engines.callback(engine.shutdown)
+                check_engine(engine, inputs.arch)
+        if replica is not None:
+            reward = build_reward(cfg.reward, workers=_reward_workers(replicas))
+            stack.callback(reward.close)
+        return cls(
+            rollout=cfg.rollout,
+            train=cfg.train,
+            inputs=inputs,
+            sampler=PromptSampler(len(inputs.train_set), seed=cfg.data.seed),
+            replicas=replicas,
+            engine=engine,
+            reward=reward,
+        )
+
+    def draw(self, step: int) -> StepPrompts:
+        """Step 1: the step's prompts that this rank's engine samples (every rank advances the
+        sampler alike); none on ranks without an engine."""
+        t, prompts = self.train, self.inputs.train_set
+        indices = self.sampler.next_indices(t.prompts_per_step)
+        replica = self.replicas.owned_by(dist.get_rank())
+        positions = []
+        if replica is not None:
+            positions = list(self.replicas.share(replica, t.prompts_per_step))
+        return StepPrompts(
+            positions=positions,
+            problems=[prompts.problems[indices[j]] for j in positions],
+            token_ids=[prompts.token_ids[indices[j]] for j in positions],
+            seeds=[rollout_seed(t.seed, step, j, t.group_size) for j in positions],
+        )
+
+    def generate(self, prompts: StepPrompts) -> list[RolloutGroup]:
+        """Step 2: G completions of each of this rank's prompts from its engine; every rank
+        learns of a failure on any replica (one all_gather_object of a status), so none waits
+        for a replica whose engine is gone."""
+        with fail_together("generating the rollouts", world_group()):
+            if not prompts.positions:
+                return []
+            sampling = sampling_config(self.rollout, temperature=self.train.temperature)
+            return self.engine.generate(
+                prompts.token_ids, self.train.group_size, sampling, seeds=prompts.seeds
+            )
+
+    def score(self, prompts: StepPrompts, groups: list[RolloutGroup]) -> list[ScoredGroup]:
+        """Step 3: each owner scores its groups; one all-gather assembles the step's
+        `ScoredGroup`s on every rank, in prompt order."""
+
+        def mine():
+            if self.reward is None:
+                return []
+            return score_groups(
+                prompts.positions,
+                prompts.problems,
+                groups,
+                tokenizer=self.inputs.tokenizer,
+                reward=self.reward,
+            )
+
+        pieces = all_gather_or_fail(mine, "scoring the rollouts", world_group())
+        return sorted((g for piece in pieces for g in piece), key=lambda g: g.position)
+
+
+def _reward_workers(replicas: Replicas) -> int:
+    """reward.workers = 0: this node's cores shared by the scoring ranks on it (the owners of
+    its engine replicas)."""
+    node = replicas.nodes[dist.get_rank()]
+    return max(1, (os.cpu_count() or 1) // len(replicas.owners_on(node)))

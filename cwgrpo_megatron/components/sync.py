@@ -1,0 +1,83 @@
+"""Step 10 of a training step: the trainer's weights into every replica's engine, and, every
+run.verify_sync steps, the check that each engine now scores like the trainer.
+
+    WeightSync = the sync plan (who writes which shard into which node's buffers; fixed for the
+                 run) + the verifier (its tolerance calibrated on the start checkpoint)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from cwgrpo_megatron.checks.sync_check import SyncVerifier
+from cwgrpo_megatron.config import Config
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.megatron.model import DTYPES
+from cwgrpo_megatron.megatron.publish import sync_plan, sync_weights
+from cwgrpo_megatron.rollout.base import RolloutEngine
+from cwgrpo_megatron.rollout.replicas import Replicas
+from cwgrpo_megatron.weight_sync.plan import SyncPlan
+
+log = logging.getLogger("cwgrpo_megatron.train")
+
+
+@dataclass(kw_only=True)
+class WeightSync:
+    arch: ModelArch
+    dtype: str
+    """The engines' dtype (`Config.engine_dtype`), which the shards are cast to."""
+    plan: SyncPlan
+    verifier: SyncVerifier | None
+    """None when run.verify_sync is 0."""
+    verify_every: int
+
+    @classmethod
+    def build(
+        cls, cfg: Config, replicas: Replicas, model, arch: ModelArch, engine: RolloutEngine | None
+    ) -> WeightSync:
+        """The plan (one all_gather_object of every rank's shard) and, when run.verify_sync
+        asks for one, the verifier, calibrated now: trainer and engines both hold the start
+        checkpoint."""
+        plan = sync_plan(replicas)
+        if dist.get_rank() == 0:
+            received = plan.received_bytes(arch, DTYPES[cfg.engine_dtype])
+            log.info(
+                "weight sync: per sync each node receives from the others %s",
+                ", ".join(f"node {n}: {b / 2**20:.1f} MiB" for n, b in received.items()),
+            )
+        verifier = None
+        if cfg.run.verify_sync:
+            verifier = SyncVerifier(min_tol=cfg.run.verify_sync_tol)
+            gap = verifier.calibrate(model, arch, engine)
+            if dist.get_rank() == 0:
+                tol = verifier.tol
+                log.info(
+                    "sync check: start gap %.2e (mean %.2e), tolerance %.2e (mean %.2e)",
+                    *(gap.max, gap.mean, tol.max, tol.mean),
+                )
+        return cls(
+            arch=arch,
+            dtype=cfg.engine_dtype,
+            plan=plan,
+            verifier=verifier,
+            verify_every=cfg.run.verify_sync,
+        )
+
+    def due(self, step: int) -> bool:
+        """Is the check due after step `step`'s sync?"""
+        return bool(self.verify_every) and step % self.verify_every == 0
+
+    def push(self, model, engine: RolloutEngine | None, *, verify: bool) -> dict[str, float]:
+        """Weights into every engine (every rank calls this; `engine` on the owners): the most
+        MiB a node received from the others and, with `verify` and a verifier, the worst
+        engine's gap and the tolerance (SyncMismatchError on every rank above it)."""
+        done = sync_weights(model, self.arch, engine, dtype=self.dtype, plan=self.plan)
+        metrics = {"sync/received_mb": max(done.received.values()) / 2**20}
+        if not verify or self.verifier is None:
+            return metrics
+        gap, tol = self.verifier.check(model, self.arch, engine), self.verifier.tol
+        return {**metrics, "sync/gap": gap.max, "sync/tol": tol.max, "sync/gap_mean": gap.mean,
+                "sync/tol_mean": tol.mean}  # fmt: skip
