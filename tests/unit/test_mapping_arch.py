@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from cwgrpo_megatron.checks.tiny import TINY_QWEN2
 from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
 from cwgrpo_megatron.convert.mapping import (
     Rule,
@@ -13,18 +14,13 @@ from cwgrpo_megatron.convert.mapping import (
     to_megatron,
 )
 
+# the layout check's Qwen2, with 8 query heads (4 per KV head)
 HF = dict(
-    architectures=["Qwen2ForCausalLM"],
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
+    TINY_QWEN2,
     num_attention_heads=8,
-    num_key_value_heads=2,
     rms_norm_eps=1e-6,
     rope_theta=1e6,
     max_position_embeddings=128,
-    tie_word_embeddings=False,
 )
 ARCH = ModelArch.from_hf_dict(HF)
 

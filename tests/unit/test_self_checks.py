@@ -12,6 +12,7 @@ import torch
 
 from cwgrpo_megatron.checks import layout_verdict as lv
 from cwgrpo_megatron.checks.symmetry import ChannelPermutation
+from cwgrpo_megatron.checks.tiny import TINY_QWEN2
 from cwgrpo_megatron.convert.arch import ModelArch
 
 
@@ -64,14 +65,14 @@ def tiny_llama():
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=128,
-        max_position_embeddings=64,
-        architectures=["LlamaForCausalLM"],
+        **dict(
+            TINY_QWEN2,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=128,
+            architectures=["LlamaForCausalLM"],
+        )
     )
     return LlamaForCausalLM(cfg).eval()
 
