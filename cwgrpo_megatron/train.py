@@ -104,7 +104,10 @@ def run(argv=None, *, default_config: str | None = None) -> int:
 def _report(err: Exception, rank: int, log: logging.Logger) -> None:
     """What a user can act on is its message; anything else (a bug) keeps its traceback."""
     if isinstance(err, user_errors()):
-        print(f"[rank {rank}] error: {err}", file=sys.stderr, flush=True)
+        # one write of the whole line: the ranks of a node share torchrun's output, and print's
+        # separate write of the newline let another rank's line land inside this one
+        sys.stderr.write(f"[rank {rank}] error: {err}\n")
+        sys.stderr.flush()
     else:
         log.exception("training failed")
 
