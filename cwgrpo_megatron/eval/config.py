@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass, field
 
-from cwgrpo_megatron.common.settings import check_choice, check_range
-from cwgrpo_megatron.eval.names import BENCHMARKS
+from cwgrpo_megatron.common.settings import check_range
+from cwgrpo_megatron.eval.names import check_entry
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -11,8 +11,10 @@ class EvalConfig:
     """Benchmark evaluation through the rollout engine, every run.eval_every steps."""
 
     benchmarks: list[str] = field(default_factory=list)
-    """Names: aime24, math500, amc23, minerva, olympiadbench, and heldout (data.heldout_size
-    prompts of the training data)."""
+    """Names: aime24, math500, amc23, minerva, olympiadbench (shipped with the package, in
+    `cwgrpo_megatron/eval/data/`), heldout (data.heldout_size prompts of the training data); or
+    a .jsonl / .parquet file or a Hugging Face dataset id, reported under its file's stem or the
+    id's last part."""
     limit: int | None = None
     """First N problems of each benchmark; None: all."""
     n: int = 1
@@ -22,12 +24,15 @@ class EvalConfig:
     max_tokens: int | None = None
     """Max new tokens; None means rollout.max_tokens. Prompts without room are skipped."""
     data_dir: str | None = None
-    """Folder of aime24 / amc23 / olympiadbench JSONL; None: ../shared/data beside the repo."""
+    """A folder of NAME.jsonl files to read the named benchmarks from instead of the copies
+    shipped with the package; None: the shipped copies."""
+    split: str = "test"
+    """The split of a Hugging Face dataset id in eval.benchmarks (needs the `hub` extra)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in self.benchmarks:
-            check_choice("eval.benchmarks entry", name, [*BENCHMARKS, "heldout"])
+            check_entry("eval.benchmarks", name, extra=("heldout",))
         if self.limit is not None:
             check_range("eval.limit", self.limit, low=1)
         check_range("eval.n", self.n, low=1)

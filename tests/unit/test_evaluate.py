@@ -1,12 +1,25 @@
-"""The pass@k estimator, and the benchmark names that settings accept each having a file.
-Scoring is tested in tests/distributed/test_evaluate_scoring.py and
-tools/evaluate.py in tests/e2e/test_evaluate_cli.py."""
+"""The pass@k estimator, and where benchmarks are read from: the five shipped with the package
+by name, a folder that eval.data_dir names, a problem file, a local Hugging Face dataset folder
+(what a hub id reads, offline), and tools/fetch_data.py's copy of one. Scoring is tested in
+tests/distributed/test_evaluate_scoring.py, tools/evaluate.py in tests/e2e/test_evaluate_cli.py
+and the shipped files' gold answers in tests/distributed/test_benchmark_answers.py."""
+
+import json
+import runpy
+from pathlib import Path
 
 import pytest
 
+from cwgrpo_megatron.eval.config import EvalConfig
 from cwgrpo_megatron.eval.metrics import pass_at_k
 from cwgrpo_megatron.eval.names import BENCHMARKS
-from cwgrpo_megatron.eval.runner import BENCHMARK_FILES
+from cwgrpo_megatron.eval.runner import SHIPPED, benchmark_source, load_benchmarks
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = [
+    {"problem": "What is 1 + 1?", "answer": "2", "level": "Level 1"},
+    {"problem": "What is 2 + 3?", "answer": "5", "level": "Level 2"},
+]
 
 
 def test_pass_at_k_estimator():
@@ -18,6 +31,70 @@ def test_pass_at_k_estimator():
         pass_at_k(3, 1, 4)
 
 
-def test_every_benchmark_name_has_a_file_and_no_file_lacks_a_name():
-    # eval.benchmarks is checked against the names; the runner maps each name to its file
-    assert tuple(BENCHMARK_FILES) == BENCHMARKS
+def test_every_benchmark_name_is_shipped_with_its_source_stated():
+    shipped = {p.stem for p in SHIPPED.glob("*.jsonl")}
+    assert shipped == set(BENCHMARKS)
+    sources = (SHIPPED / "SOURCES.md").read_text()
+    for name in BENCHMARKS:
+        assert benchmark_source(name) == SHIPPED / f"{name}.jsonl"
+        assert f"`{name}.jsonl`" in sources
+
+
+def test_data_dir_overrides_the_shipped_files_and_its_error_names_the_key(tmp_path):
+    (tmp_path / "aime24.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    assert [p.answer for p in load_benchmarks(["aime24"], data_dir=tmp_path)["aime24"]] == ["2"]
+    with pytest.raises(ValueError, match=r"amc23\.jsonl does not exist; eval\.data_dir="):
+        load_benchmarks(["amc23"], data_dir=tmp_path)
+    with pytest.raises(ValueError, match="--data-dir=.*leave --data-dir unset"):
+        load_benchmarks(["amc23"], data_dir=tmp_path, key="--data-dir")
+
+
+def test_a_file_is_a_benchmark_reported_under_its_stem(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    loaded = load_benchmarks([str(path), "amc23"], limit=1)
+    assert list(loaded) == ["mine", "amc23"] and [p.answer for p in loaded["mine"]] == ["2"]
+    with pytest.raises(ValueError, match="two benchmarks would be reported as 'mine'"):
+        load_benchmarks([str(path), str(tmp_path / "x" / "mine.jsonl")])
+
+
+def test_settings_take_names_files_and_hub_ids_and_reject_the_rest():
+    EvalConfig(benchmarks=["aime24", "heldout", "data/mine.jsonl", "HuggingFaceH4/MATH-500"])
+    with pytest.raises(ValueError, match="eval.benchmarks: unknown benchmark 'gsm8k'.*aime24"):
+        EvalConfig(benchmarks=["gsm8k"])
+
+
+@pytest.fixture
+def dataset_folder(tmp_path):
+    """A local dataset folder as `save_to_disk` writes it: what a hub id reads, offline."""
+    datasets = pytest.importorskip("datasets", reason="the hub extra")
+    folder = tmp_path / "open-rs"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(folder))
+    return folder
+
+
+def test_a_local_hugging_face_dataset_loads_as_a_benchmark(dataset_folder):
+    loaded = load_benchmarks([str(dataset_folder)], split="test")
+    assert [p.answer for p in loaded["open-rs"]] == ["2", "5"]
+    with pytest.raises(ValueError, match=r"splits \['test'\], not 'train'"):
+        load_benchmarks([str(dataset_folder)], split="train")
+
+
+def test_fetch_data_writes_a_file_the_loaders_read(dataset_folder, tmp_path, capsys):
+    out = tmp_path / "copy" / "open_rs.jsonl"
+    tool = runpy.run_path(str(ROOT / "tools" / "fetch_data.py"))
+    assert tool["main"]([str(dataset_folder), "--split", "test", "--out", str(out)]) == 0
+    assert [json.loads(line) for line in out.read_text().splitlines()] == ROWS
+    assert "2 rows" in capsys.readouterr().out
+    assert [p.answer for p in load_benchmarks([str(out)])["open_rs"]] == ["2", "5"]
+    # a row the loaders reject stops the copy, and nothing is written
+    bad = tmp_path / "bad.jsonl"
+    argv = [str(dataset_folder), "--split", "test", "--schema", "math", "--out", str(bad)]
+    assert tool["main"](argv) == 2
+    assert "--skip-bad-rows" in capsys.readouterr().err and not bad.exists()
+
+
+def test_a_hub_id_without_the_hub_extra_names_the_extra(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import datasets fails
+    with pytest.raises(ValueError, match=r'needs `datasets`: pip install -e "\.\[hub\]"'):
+        load_benchmarks(["knoveleng/open-rs"])
