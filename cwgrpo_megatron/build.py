@@ -26,6 +26,7 @@ from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.dist import all_gather_objects, all_gather_or_fail, fail_together, world_group
 from cwgrpo_megatron.megatron import parallel, train_checkpoint
 from cwgrpo_megatron.megatron.conversion import load_start_weights
+from cwgrpo_megatron.megatron.model import use_transformer_engine
 from cwgrpo_megatron.megatron.train_step import Actor, build_actor
 from cwgrpo_megatron.run.run_dir import (
     RunDir,
@@ -102,7 +103,8 @@ def _write_run_files(run: RunDir, step: int, saved_line: dict | None, group) -> 
     hostnames = all_gather_objects(socket.gethostname(), group)
     if dist.get_rank() == 0:
         rewind_metrics(run.metrics, step=step, saved_line=saved_line)
-        write_env(run, layout=parallel.layout(), hostnames=hostnames)
+        spec = "te" if use_transformer_engine() else "local"
+        write_env(run, layout=parallel.layout(), hostnames=hostnames, layer_spec=spec)
 
 
 def _resume(cfg: Config, run: RunDir, actor: Actor, state: LoopState, group) -> dict | None:

@@ -193,6 +193,7 @@ class Trainer:
             data_state=data_state,
             keep_last=self.cfg.run.keep_last,
             config=dataclasses.asdict(self.cfg),
+            side_files_from=self.cfg.model.path,
         )
         if self.cfg.run.export_hf == "on_save":
             self.export()

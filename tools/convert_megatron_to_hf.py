@@ -2,6 +2,10 @@
 
     python tools/convert_megatron_to_hf.py --ckpt C --out D
 
+C is a checkpoint written by tools/convert_hf_to_megatron.py, a run's training checkpoint
+(`runs/R/checkpoints/step_N`, or its `model/` folder; the policy is written, the optimizer
+state is not read), or a run folder (`runs/R`: its newest checkpoint).
+
 Writes sharded safetensors with model.safetensors.index.json plus the config and tokenizer
 files; the result loads with transformers.AutoModelForCausalLM.from_pretrained.
 """
@@ -9,12 +13,16 @@ files; the result loads with transformers.AutoModelForCausalLM.from_pretrained.
 import argparse
 import sys
 
-from cwgrpo_megatron.megatron.conversion import megatron_to_hf
+from cwgrpo_megatron.megatron.conversion import find_checkpoint, megatron_to_hf
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt", required=True, help="checkpoint folder (cwgrpo_checkpoint.json)")
+    parser.add_argument(
+        "--ckpt",
+        required=True,
+        help="a converted checkpoint, a run's checkpoints/step_N, or a run folder (its newest)",
+    )
     parser.add_argument("--out", required=True, help="HF folder to create")
     parser.add_argument(
         "--max-shard-gb",
@@ -25,8 +33,10 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     try:
+        ckpt = find_checkpoint(args.ckpt)
+        print(f"converting {ckpt} ...", flush=True)
         out = megatron_to_hf(
-            args.ckpt,
+            ckpt,
             args.out,
             max_shard_bytes=None if args.max_shard_gb is None else int(args.max_shard_gb * 2**30),
             overwrite=args.overwrite,

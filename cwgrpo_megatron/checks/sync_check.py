@@ -30,13 +30,13 @@ from cwgrpo_megatron.dist import (
 )
 from cwgrpo_megatron.dist.collectives import barrier
 from cwgrpo_megatron.megatron import parallel
+from cwgrpo_megatron.megatron.model import unwrap
 from cwgrpo_megatron.megatron.publish import (
     ENGINE_RANK,
     hf_weights,
     in_engine_group,
     score,
     sync_weights,
-    unwrap,
 )
 from cwgrpo_megatron.megatron.train_step import train_step
 

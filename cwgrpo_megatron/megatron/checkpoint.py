@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.dist.collectives import barrier, job_rank, world_group
 from cwgrpo_megatron.megatron.cpu import on_cpu
+from cwgrpo_megatron.megatron.model import unwrap
 from cwgrpo_megatron.megatron.parallel import layout
 
 META_NAME = "cwgrpo_checkpoint.json"
@@ -121,18 +122,32 @@ def save_model(
     with atomic as tmp:
         save_dist(model.sharded_state_dict(), tmp / MODEL_DIR)
         if job_rank() == 0:
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "arch": arch.to_dict(),
-                "saved_layout": layout(),
-                "padded_vocab_size": model.vocab_size,
-                "params_dtype": params_dtype,
-            }
-            (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
-            if hf_dir is not None:
-                copy_hf_side_files(hf_dir, tmp)
+            write_meta(tmp, model, arch, params_dtype=params_dtype, side_files_from=hf_dir)
         atomic.commit()
     return atomic.final
+
+
+def write_meta(
+    folder: Path,
+    model,
+    arch: ModelArch,
+    *,
+    params_dtype: str,
+    side_files_from: str | os.PathLike | None,
+) -> None:
+    """What makes `folder` (its dist checkpoint in `folder/model`) a checkpoint that the
+    converter and `model.path` read: META_NAME, and the HF config and tokenizer files of
+    `side_files_from` (the HF folder the model came from). Rank 0 only."""
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "arch": arch.to_dict(),
+        "saved_layout": layout(),
+        "padded_vocab_size": unwrap(model).vocab_size,
+        "params_dtype": params_dtype,
+    }
+    (folder / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    if side_files_from is not None:
+        copy_hf_side_files(side_files_from, folder)
 
 
 def read_meta(ckpt_dir: str | os.PathLike) -> dict:

@@ -20,9 +20,10 @@ from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import hf_names, stage_params, to_hf
 from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint, write_sharded
 from cwgrpo_megatron.dist import job_rank, vocab_parallel_logprob_entropy
-from cwgrpo_megatron.megatron import parallel
+from cwgrpo_megatron.megatron import parallel, train_checkpoint
 from cwgrpo_megatron.megatron.checkpoint import (
     META_NAME,
+    MODEL_DIR,
     AtomicDir,
     checkpoint_arch,
     copy_hf_side_files,
@@ -125,11 +126,12 @@ def megatron_to_hf(
     overwrite: bool = False,
 ) -> Path:
     """Write a checkpoint saved at any TP x PP as sharded HF safetensors (one process).
+    `ckpt_dir` is what `find_checkpoint` takes: a converted checkpoint or a run's training one.
 
     Shards hold at most `max_shard_bytes` (default: 2 GiB, or an eighth of the model if that is
     less): serialising a shard copies it, so the shard size bounds the memory above the model.
     """
-    read_meta(ckpt_dir)  # fail on a bad folder before starting anything
+    ckpt_dir = find_checkpoint(ckpt_dir)  # fail on a bad folder before starting anything
     _start(1, 1)
     try:
         model, arch, meta = load_checkpoint_model(ckpt_dir)
@@ -145,6 +147,27 @@ def megatron_to_hf(
         return atomic.final
     finally:
         parallel.destroy()
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The model checkpoint that `path` names: a checkpoint folder (converted, or a run's
+    `checkpoints/step_N`), a training checkpoint's `model/` folder, or a run folder (its newest
+    checkpoint). ValueError saying which of these to give otherwise."""
+    path = Path(path)
+    if path.name == MODEL_DIR and is_megatron_checkpoint(path.parent):
+        return path.parent
+    if (path / "checkpoints").is_dir() and not is_megatron_checkpoint(path):
+        newest = train_checkpoint.latest(path / "checkpoints")
+        if newest is None:
+            raise ValueError(f"the run folder {path} has no checkpoint in {path / 'checkpoints'}")
+        path = newest
+    if path.is_dir() and not is_megatron_checkpoint(path):
+        raise ValueError(
+            f"{path} holds no {META_NAME}: give a checkpoint written by "
+            "tools/convert_hf_to_megatron.py, a run's checkpoints/step_N, or the run folder"
+        )
+    read_meta(path)  # a missing folder, or a corrupt or foreign description, fails here
+    return path
 
 
 def is_megatron_checkpoint(path: str | os.PathLike) -> bool:

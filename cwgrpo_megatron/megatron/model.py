@@ -147,3 +147,10 @@ def load_hf_weights(
             )
         with torch.no_grad():
             target.copy_(shard)
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -33,7 +33,7 @@ from cwgrpo_megatron.dist import (
 )
 from cwgrpo_megatron.dist.collectives import barrier
 from cwgrpo_megatron.megatron.forward import forward_logits
-from cwgrpo_megatron.megatron.model import DTYPES, use_transformer_engine
+from cwgrpo_megatron.megatron.model import DTYPES, unwrap, use_transformer_engine
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.weight_sync.export import ExportGroups, hf_tensors
 from cwgrpo_megatron.weight_sync.plan import Place, SyncPlan, sent_items, shard_shape
@@ -41,13 +41,6 @@ from cwgrpo_megatron.weight_sync.receiver import WeightReceiver
 from cwgrpo_megatron.weight_sync.shm import SharedWeights, write_shard, write_shards
 
 ENGINE_RANK = 0
-
-
-def unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def export_groups() -> ExportGroups:

@@ -6,6 +6,9 @@
                                   the folder loads at another TP x PP x DP layout too
         train_state.json          step, data position, LR schedule, layout, resolved config
         rng/rank_00003.pt         each rank's Python / NumPy / torch / tracker RNG states
+        cwgrpo_checkpoint.json    what a model checkpoint holds (`checkpoint.py`): the policy
+        config.json, tokenizer    alone converts to HF (tools/convert_megatron_to_hf.py) and
+                                  starts a run (model.path), as a converted checkpoint does
 
 Each checkpoint is written into a hidden temporary sibling and renamed when complete; a killed
 save leaves the previous checkpoints intact. Only the newest `keep_last` are kept.
@@ -27,7 +30,7 @@ import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from cwgrpo_megatron.dist.collectives import barrier, job_rank, world_group
-from cwgrpo_megatron.megatron.checkpoint import AtomicDir, load_dist, save_dist
+from cwgrpo_megatron.megatron.checkpoint import AtomicDir, load_dist, save_dist, write_meta
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.parallel import layout
 from cwgrpo_megatron.megatron.train_step import Actor
@@ -125,10 +128,12 @@ def save(
     data_state: dict,
     keep_last: int = 2,
     config: dict | None = None,
+    side_files_from: str | Path | None = None,
 ) -> Path:
     """Write ROOT/step_<actor.step> (collective over all ranks) and prune old ones. `config`
     (the run's resolved config, as a dict) is kept beside the state for readers of the
-    checkpoint; nothing here reads it back."""
+    checkpoint; nothing here reads it back. `side_files_from`: the HF folder (or converted
+    checkpoint) whose config and tokenizer files go beside the model."""
     path = Path(root) / f"step_{actor.step:08d}"
     atomic = AtomicDir(path, overwrite=True)
     with atomic as tmp:
@@ -147,6 +152,13 @@ def save(
                 "config": config,
             }
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=2, default=str) + "\n")
+            write_meta(
+                tmp,
+                actor.model,
+                actor.arch,
+                params_dtype=actor.train.params_dtype,
+                side_files_from=side_files_from,
+            )
         atomic.commit()
     if job_rank() == 0:
         for old in step_dirs(root)[:-keep_last]:

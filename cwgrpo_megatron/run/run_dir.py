@@ -112,7 +112,10 @@ def checkpoint_to_resume(cfg: Config, run: RunDir) -> Path | None:
     return path
 
 
-def write_env(run: RunDir, *, layout: dict, hostnames: list[str]) -> None:
+def write_env(run: RunDir, *, layout: dict, hostnames: list[str], layer_spec: str) -> None:
+    """env.json: package versions, Python, the layout and hosts, Megatron's layer spec ("te":
+    Transformer Engine's layers; "local": megatron-core's torch layers, as on CPU) and the
+    commit."""
     versions = {}
     for name in PACKAGES:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -121,6 +124,7 @@ def write_env(run: RunDir, *, layout: dict, hostnames: list[str]) -> None:
         "versions": versions,
         "python": platform.python_version(),
         "layout": layout,
+        "layer_spec": layer_spec,
         "world_size": len(hostnames),
         "hostnames": sorted(set(hostnames)),
         "rank_hosts": hostnames,

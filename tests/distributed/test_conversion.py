@@ -287,3 +287,22 @@ def test_megatron_checkpoint_that_does_not_match_its_config(tmp_path, tamper):
     (message,) = run_distributed(_export_expect_error, 1, str(ckpt), str(out))
     assert message is not None and expected in message, message
     assert_nothing_written(out)
+
+
+def test_what_the_converter_takes_and_the_errors_that_say_what_to_give(tmp_path):
+    from cwgrpo_megatron.megatron.conversion import find_checkpoint
+
+    hf_dir = save_hf("qwen-untied", tmp_path / "hf")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
+    run_distributed(_convert, 1, str(hf_dir), str(ckpt), 1, 1)
+    assert find_checkpoint(ckpt) == ckpt
+    assert find_checkpoint(ckpt / "model") == ckpt
+    (ckpt / "train_state.json").write_text("{}")  # what marks a complete training checkpoint
+    assert find_checkpoint(tmp_path / "run") == ckpt  # a run folder: its newest
+    with pytest.raises(ValueError, match="holds no cwgrpo_checkpoint.json: give a checkpoint"):
+        find_checkpoint(hf_dir)
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="the run folder .*empty has no checkpoint"):
+        find_checkpoint(tmp_path / "empty")
+    with pytest.raises(ValueError, match="does not exist"):
+        find_checkpoint(tmp_path / "none")

@@ -61,7 +61,8 @@ def _planted(rank, world_size, hf_dir, backend):
     from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
     from cwgrpo_megatron.checks.sync_check import start_engine
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.publish import sync_weights, unwrap
+    from cwgrpo_megatron.megatron.model import unwrap
+    from cwgrpo_megatron.megatron.publish import sync_weights
     from cwgrpo_megatron.rollout import SamplingConfig
 
     cfg = layout_config(

@@ -131,6 +131,7 @@ def check_run_folder(out: Path, steps: int) -> list[dict]:
         assert not bad, f"non-finite metrics: {bad}"
     env = json.loads((out / "env.json").read_text())
     assert env["versions"]["torch"] and env["hostnames"] and "tp" in env["layout"]
+    assert env["layer_spec"] == "local"  # no Transformer Engine on CPU
     samples = out / "samples" / f"step_{steps:08d}.jsonl.gz"
     records = [json.loads(x) for x in gzip.decompress(samples.read_bytes()).splitlines()]
     assert len(records) == 16  # 4 prompts x 4 completions
@@ -145,6 +146,7 @@ def vllm_run(tiny, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("vllm") / "run"
     code, log = launch(python_train(tiny, out, "run.verify_sync=1"))
     assert code == 0, log
+    assert "not installed" not in log, "megatron-core's TE / Apex fallback warnings are back"
     return out
 
 
@@ -156,6 +158,36 @@ def test_one_process_with_vllm_writes_the_whole_run_folder(vllm_run):
     assert rows[-1]["actor/kl"] > 0, "the policy never moved away from the reference"
     steps = sorted(p.name for p in (vllm_run / "checkpoints").iterdir())
     assert steps == ["step_00000002", "step_00000003"]  # run.keep_last=2
+
+
+def test_a_run_folder_converts_to_hf_that_transformers_and_vllm_load(vllm_run, tiny, tmp_path):
+    """The run's newest training checkpoint, through the converter as users call it: its
+    policy in HF, logits equal to the trainer's, and vLLM serves it (tools/evaluate.py)."""
+    from tests.e2e.export_check import export_matches_checkpoint
+
+    hf = tmp_path / "hf"
+    code, log = run_tool("convert_megatron_to_hf.py", 1, "--ckpt", str(vllm_run), "--out", str(hf))
+    assert code == 0, log
+    worst = export_matches_checkpoint(hf, vllm_run / "checkpoints" / "step_00000003", tiny)
+    assert worst < 1e-5, worst
+    # a checkpoint's model/ folder names that checkpoint
+    model_dir = vllm_run / "checkpoints" / "step_00000002" / "model"
+    argv = ("--ckpt", str(model_dir), "--out", str(tmp_path / "hf2"))
+    code, log = run_tool("convert_megatron_to_hf.py", 1, *argv)
+    assert code == 0 and "step_00000002" in log, log
+    # short problems: the tiny model has 256 positions
+    problems = tmp_path / "short.jsonl"
+    problems.write_text("".join(json.dumps({"problem": q, "answer": a}) + "\n"
+                                for q, a in (("1 + 1 = ?", "2"), ("2 + 5 = ?", "7"))))  # fmt: skip
+    results = tmp_path / "eval.json"
+    tool = [sys.executable, str(REPO / "tools" / "evaluate.py"), "--model-dir", str(hf)]
+    code, log = launch(
+        [*tool, "--benchmarks", str(problems), "--n", "2", "--max-tokens", "8",
+         "--max-model-len", "256", "--dtype", "float32", "--out", str(results)]
+    )  # fmt: skip
+    assert code == 0, log
+    samples = json.loads(results.read_text())["samples"]
+    assert len(samples) == 4 and all(s["tokens"] >= 1 for s in samples)
 
 
 def test_torch_engine_from_a_megatron_checkpoint_and_its_hf_export(tiny, tmp_path):

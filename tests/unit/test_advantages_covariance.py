@@ -1,3 +1,8 @@
+"""Group advantages and CW-GRPO's covariance weights against float64 references: equal
+rewards (w = 1), a group of one, a single extreme token down-weighted, padding, no tokens,
+kernel underflow and the shift that keeps precision, the three scopes, and hypothesis
+properties (mean one over the scope, weights in [0, N])."""
+
 import warnings
 
 import pytest

@@ -1,3 +1,8 @@
+"""The policy losses (grpo, cw_grpo, clip_cov, kl_cov), the KL estimators and the loss
+aggregations: values and gradients against autograd of float64 references, clip_cov's band
+and kl_cov's top-k selection, clip fractions, and metrics that merge over micro-batches into
+the whole batch's."""
+
 import dataclasses
 
 import pytest

@@ -1,3 +1,8 @@
+"""The HF <-> Megatron mapping of names and shapes (`convert/`): the architecture read from a
+config and its errors, layout checks that name the largest valid tp / pp, vocabulary padding,
+split-and-merge round trips of every rule at TP1 and TP2, the per-query-group QKV layout, and
+stage parameters that cover the model once."""
+
 import pytest
 import torch
 

@@ -1,3 +1,7 @@
+"""Registries and the typed config: unknown names list the choices, YAML overrides and their
+order, dump round trips, bad values that name the key, the batch algebra's error, keyword-only
+frozen dataclasses, every shipped config loads, and the reward settings."""
+
 import re
 from pathlib import Path
 

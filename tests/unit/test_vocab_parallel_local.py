@@ -1,3 +1,7 @@
+"""Vocabulary-parallel log-prob and entropy in one process (group=None) equal a full
+log_softmax: fp32 at several chunk sizes, temperature and padding masks, bf16 input, bad input.
+The TP 2 and 4 versions are in tests/distributed/test_vocab_parallel_dist.py."""
+
 import pytest
 import torch
 
