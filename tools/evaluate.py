@@ -20,7 +20,11 @@ def parse(argv):
     from cwgrpo_megatron.eval import BENCHMARKS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", required=True, help="HF checkpoint or Megatron checkpoint")
+    p.add_argument(
+        "--model-dir",
+        required=True,
+        help="an HF folder, a Megatron checkpoint, a run's checkpoints/step_N or a run folder",
+    )
     p.add_argument(
         "--benchmarks",
         default=",".join(BENCHMARKS),
@@ -52,15 +56,18 @@ def parse(argv):
 
 
 def hf_model_dir(model_dir: Path, scratch: Path) -> Path:
-    """`model_dir` if it is an HF checkpoint, else its conversion into `scratch`."""
+    """`model_dir` if it is an HF checkpoint, else the conversion into `scratch` of the Megatron
+    checkpoint it names (a converted one, a run's step_N or its model/ folder, or a run folder:
+    `conversion.find_checkpoint`)."""
     from cwgrpo_megatron.megatron.checkpoint import META_NAME
 
-    if not (model_dir / META_NAME).is_file():
+    if (model_dir / "config.json").is_file() and not (model_dir / META_NAME).is_file():
         return model_dir
-    from cwgrpo_megatron.megatron.conversion import megatron_to_hf
+    from cwgrpo_megatron.megatron.conversion import find_checkpoint, megatron_to_hf
 
-    print(f"converting the Megatron checkpoint {model_dir} to HF ...", flush=True)
-    return megatron_to_hf(model_dir, scratch / "hf")
+    ckpt = find_checkpoint(model_dir)
+    print(f"converting the Megatron checkpoint {ckpt} to HF ...", flush=True)
+    return megatron_to_hf(ckpt, scratch / "hf")
 
 
 def main(argv=None) -> int:
@@ -89,7 +96,11 @@ def main(argv=None) -> int:
         seed=args.seed,
     )
     with tempfile.TemporaryDirectory(prefix="cwgrpo-eval-") as scratch:
-        hf_dir = hf_model_dir(Path(args.model_dir), Path(scratch))
+        try:
+            hf_dir = hf_model_dir(Path(args.model_dir), Path(scratch))
+        except ValueError as err:  # not a model folder, or a broken checkpoint
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         engine = get_engine(args.engine)(
             hf_dir,

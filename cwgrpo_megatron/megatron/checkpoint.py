@@ -29,6 +29,8 @@ from cwgrpo_megatron.megatron.parallel import layout
 
 META_NAME = "cwgrpo_checkpoint.json"
 MODEL_DIR = "model"
+TRAIN_STATE_NAME = "train_state.json"
+"""What a training checkpoint (`train_checkpoint.py`) holds beside the model and optimizer."""
 FORMAT_VERSION = 1
 HF_SIDE_FILES = (
     "config.json",
@@ -181,5 +183,11 @@ def load_model(model: GPTModel, arch: ModelArch, ckpt_dir: str | os.PathLike) ->
         raise ValueError(
             f"checkpoint {ckpt_dir} was saved for another architecture; (saved, requested): {diff}"
         )
-    state = load_dist(model.sharded_state_dict(), Path(ckpt_dir) / MODEL_DIR)
+    if (Path(ckpt_dir) / TRAIN_STATE_NAME).is_file():
+        # a training checkpoint holds {"model", "optimizer"}: ask for the model alone (the
+        # optimizer's common state comes back beside it, and is dropped)
+        state = load_dist({"model": model.sharded_state_dict()}, Path(ckpt_dir) / MODEL_DIR)
+        state = state["model"]
+    else:
+        state = load_dist(model.sharded_state_dict(), Path(ckpt_dir) / MODEL_DIR)
     model.load_state_dict(state, strict=True)

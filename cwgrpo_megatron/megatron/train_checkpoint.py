@@ -6,9 +6,9 @@
                                   the folder loads at another TP x PP x DP layout too
         train_state.json          step, data position, LR schedule, layout, resolved config
         rng/rank_00003.pt         each rank's Python / NumPy / torch / tracker RNG states
-        cwgrpo_checkpoint.json    what a model checkpoint holds (`checkpoint.py`): the policy
-        config.json, tokenizer    alone converts to HF (tools/convert_megatron_to_hf.py) and
-                                  starts a run (model.path), as a converted checkpoint does
+        cwgrpo_checkpoint.json    what a converted checkpoint holds beside its model
+        config.json, tokenizer    (`checkpoint.py`), so that the policy converts to HF
+                                  (tools/convert_megatron_to_hf.py) as one does
 
 Each checkpoint is written into a hidden temporary sibling and renamed when complete; a killed
 save leaves the previous checkpoints intact. Only the newest `keep_last` are kept.
@@ -30,13 +30,19 @@ import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from cwgrpo_megatron.dist.collectives import barrier, job_rank, world_group
-from cwgrpo_megatron.megatron.checkpoint import AtomicDir, load_dist, save_dist, write_meta
+from cwgrpo_megatron.megatron.checkpoint import (
+    TRAIN_STATE_NAME,
+    AtomicDir,
+    load_dist,
+    save_dist,
+    write_meta,
+)
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.parallel import layout
 from cwgrpo_megatron.megatron.train_step import Actor
 
 log = logging.getLogger(__name__)
-STATE_NAME = "train_state.json"
+STATE_NAME = TRAIN_STATE_NAME
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 

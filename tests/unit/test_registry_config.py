@@ -59,7 +59,11 @@ def test_dump_round_trip(tmp_path):
             id="steps-vs-mini-batches",
         ),
         pytest.param(["eval.benchmarks=[heldout]"], "data.heldout_size=0", id="heldout-empty"),
-        pytest.param(["eval.benchmarks=[gsm8k]"], "choose one of: aime24", id="bad-benchmark"),
+        pytest.param(
+            ["eval.benchmarks=[gsm8k]"],
+            "eval.benchmarks: unknown benchmark 'gsm8k'; choose from: aime24",
+            id="bad-benchmark",
+        ),
         pytest.param(["run.export_hf=always"], "never, on_save, at_end", id="export"),
         pytest.param(["run.keep_last=0"], "run.keep_last=0 is out of range", id="keep"),
         pytest.param(["logging.wandb_mode=cloud"], "disabled, offline, online", id="wandb"),
