@@ -19,7 +19,7 @@ Break-even steps = (start + first, compiled - eager) / (step eager - step compil
 Usage: python benchmarks/bench_vllm_compile.py --hf-dir models/smollm2-135m-instruct
 (`--quick`: a smoke run on a tiny random Qwen2, eager only.)
 
-Measured on 2 idle CPU cores (README, "Quick start"): eager 31 s to start, 8.46 s a rollout;
+Measured on 2 idle CPU cores (docs/results.md, "The demo"): eager 31 s to start, 8.46 s a rollout;
 compiled 162 s (112 s with a warm cache), 8.18 s (7.50 s): it pays after about 470 (84) steps.
 """
 

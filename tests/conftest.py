@@ -11,7 +11,7 @@ settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-# Each test's tier is its folder (pytest.ini describes them; README says which to run when).
+# Each test's tier is its folder (pytest.ini describes them; docs/testing.md says when to run each).
 TIERS = {"unit": "unit", "distributed": "dist", "e2e": "e2e", "bench": "bench"}
 TESTS = Path(__file__).resolve().parent
 

@@ -25,8 +25,8 @@ happens to come out 0 still leaves the tolerance of a rounding. FACTOR = 10 cove
 calibration runs cannot: a layout changes the shape of the sums, not only their order (partial
 sums per rank, then the all-reduce's own order), and two draws of the noise are a small sample. On
 SmolLM2-135M (30 layers), PP2 and DP2 stay within the noise, TP3 reaches 4.4x it (the grad
-norm), and the planted errors of `layout_check.PLANTS` lie 3e3x to 3e6x above it (README,
-"Training step and layout check")."""
+norm), and the planted errors of `layout_check.PLANTS` lie 3e3x to 3e6x above it
+(docs/self-checks.md)."""
 
 from __future__ import annotations
 

