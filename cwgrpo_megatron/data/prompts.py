@@ -218,7 +218,14 @@ def hub_rows(source: str | os.PathLike, *, split: str) -> list[tuple[int, Any]]:
                 raise ValueError(f"{folder} has splits {sorted(data)}, not {split!r}")
             data = data[split]
     else:
-        data = datasets.load_dataset(str(source), split=split)
+        try:
+            data = datasets.load_dataset(str(source), split=split)
+        except Exception as err:  # no network, no such dataset or split, a broken folder
+            raise ValueError(
+                f"{source} could not be loaded as a Hugging Face dataset ({type(err).__name__}: "
+                f"{err}). A hub id needs the hub: on a node without internet, write a local "
+                "copy with tools/fetch_data.py where the hub is reachable, and give its path"
+            ) from err
     return list(enumerate(data, start=1))
 
 
