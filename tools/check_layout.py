@@ -161,8 +161,10 @@ def _share(code: int) -> int:
     import torch.distributed as dist
 
     from cwgrpo_megatron.dist import broadcast_from
+    from cwgrpo_megatron.megatron.train_step import device
 
-    return int(broadcast_from(torch.tensor([float(code)]), 0, dist.group.WORLD).item())
+    code_t = torch.tensor([float(code)], device=device())  # NCCL broadcasts device tensors only
+    return int(broadcast_from(code_t, 0, dist.group.WORLD).item())
 
 
 if __name__ == "__main__":

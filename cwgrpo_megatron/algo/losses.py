@@ -339,7 +339,8 @@ def _bracket_search(
     """Shrinks per-pool brackets `[K]` that keep #{v >= lo} >= k > #{v >= hi} over the eligible
     tokens (`values, eligible [b, s]`). Each round counts the tokens at or above 7 probes with
     one `reduce_sum` and keeps the sub-interval that holds the k-th largest value."""
-    fractions = torch.arange(1, _SEARCH_PROBES + 1, dtype=torch.float64) / (_SEARCH_PROBES + 1)
+    fractions = torch.arange(1, _SEARCH_PROBES + 1, dtype=torch.float64, device=lo.device)
+    fractions = fractions / (_SEARCH_PROBES + 1)
     for _ in range(rounds):
         probes = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * fractions  # [K, P]
         token_probes = probes[scope.segment]  # [b, P]

@@ -41,9 +41,9 @@ def mean_metric(values: Tensor, mask: Tensor, count: Tensor | None = None) -> Me
 def extreme_metric(values: Tensor, mask: Tensor, kind: str) -> Metric:
     """Min or max of `values` over the masked tokens; +inf / -inf when there are none."""
     fill = float("inf") if kind == "min" else float("-inf")
-    one = torch.ones((), dtype=torch.float64)
+    one = values.new_ones((), dtype=torch.float64)
     if values.numel() == 0:
-        return Metric(torch.tensor(fill, dtype=torch.float64), one, kind)
+        return Metric(values.new_full((), fill, dtype=torch.float64), one, kind)
     masked = values.detach().masked_fill(mask <= 0, fill)
     reduced = masked.amin() if kind == "min" else masked.amax()
     return Metric(reduced.to(torch.float64), one, kind)
@@ -173,7 +173,7 @@ def weight_metrics(weights: Tensor, mask: Tensor) -> Metrics:
     w = weights.detach().flatten()
     count = mask.to(torch.float64).sum()
     below = (w < 0.5).sum().to(torch.float64) - (w.numel() - count)
-    top = w.amax().to(torch.float64) if w.numel() else torch.zeros((), dtype=torch.float64)
+    top = w.amax().to(torch.float64) if w.numel() else w.new_zeros((), dtype=torch.float64)
     return {
         "weight_frac_below_half": Metric(below, count, "mean"),
         "weight_min": extreme_metric(weights, mask, "min"),

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cwgrpo_megatron.convert.arch import ModelArch, divisors, padded_vocab_size
+from cwgrpo_megatron.dist.vocab_parallel import GPU_CHUNK_ELEMENTS
 
 GiB = 1 << 30
 RECOMPUTE = ("none", "selective", "full")
@@ -65,8 +66,9 @@ VLLM_WORKSPACE = 1 * GiB
 LOSS_BYTES_PER_TOKEN = 36
 """What the policy loss keeps for backward per token (its [b, s] ratios, masks and KL terms):
 measured for cw_grpo with the KL term; the other losses keep about as much."""
-LOGPROB_CHUNK_ELEMENTS = 1 << 22
-"""dist.vocab_parallel's chunk: two fp32 [chunk, V/tp] temporaries of this many elements."""
+LOGPROB_CHUNK_ELEMENTS = GPU_CHUNK_ELEMENTS
+"""dist.vocab_parallel's chunk on a GPU: two fp32 [chunk, V/tp] temporaries of this many
+elements."""
 
 
 # ---- parameters and Megatron's buffers -------------------------------------------------------

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from cwgrpo_megatron.checks.sync_check import SyncVerifier
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.megatron.model import DTYPES
+from cwgrpo_megatron.megatron.model import DTYPES, use_transformer_engine
 from cwgrpo_megatron.megatron.publish import sync_plan, sync_weights
 from cwgrpo_megatron.rollout.base import RolloutEngine
 from cwgrpo_megatron.rollout.replicas import Replicas
@@ -43,7 +43,8 @@ class WeightSync:
         checkpoint."""
         plan = sync_plan(replicas)
         if dist.get_rank() == 0:
-            received = plan.received_bytes(arch, DTYPES[cfg.engine_dtype])
+            spec = use_transformer_engine()
+            received = plan.received_bytes(arch, DTYPES[cfg.engine_dtype], te_spec=spec)
             log.info(
                 "weight sync: per sync each node receives from the others %s",
                 ", ".join(f"node {n}: {b / 2**20:.1f} MiB" for n, b in received.items()),

@@ -39,7 +39,7 @@ class Rule:
     """Dimension split over tensor parallelism; None when replicated."""
 
 
-def layer_rules(arch: ModelArch, *, te_spec: bool = False) -> list[Rule]:
+def layer_rules(arch: ModelArch, *, te_spec: bool) -> list[Rule]:
     attn, mlp = "decoder.layers.{layer}.self_attention", "decoder.layers.{layer}.mlp"
     hf_attn, hf_mlp = "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
     qkv_names = tuple(f"{hf_attn}.{p}_proj.weight" for p in "qkv")
@@ -100,9 +100,12 @@ class StageParam:
 
 
 def stage_params(
-    arch: ModelArch, *, pp_rank: int = 0, pp: int = 1, te_spec: bool = False
+    arch: ModelArch, *, pp_rank: int = 0, pp: int = 1, te_spec: bool
 ) -> Iterator[StageParam]:
     """Every Megatron parameter of pipeline stage `pp_rank`, with the HF tensors it maps to.
+    `te_spec`: the model is built with Transformer Engine's layers, whose norms are fused into
+    the next linear layer (`linear_qkv.layer_norm_weight`); there is no default, so that no
+    caller can name a TE model's parameters as the local spec's.
 
     The output layer appears on the last stage unless the embeddings are tied with pp == 1
     (then Megatron shares the embedding weight and has no separate output parameter).
@@ -131,7 +134,7 @@ def stage_params(
 def hf_names(arch: ModelArch) -> list[str]:
     """The HF tensor names of the whole model, in a stable order."""
     names: list[str] = []
-    for param in stage_params(arch, pp=1):
+    for param in stage_params(arch, pp=1, te_spec=False):  # HF names do not depend on the spec
         names += [n for n in param.hf_names if n not in names]
     if not arch.tie_embeddings and "lm_head.weight" not in names:
         names.append("lm_head.weight")

@@ -33,10 +33,10 @@ def reduce_metrics(metrics: Metrics, *, group: Group = None) -> Metrics:
             out[n] = Metric(value, metrics[n].count, "sum")
             offset += size
     if extremes:
-        signs = torch.tensor(
-            [-1.0 if metrics[n].kind == "min" else 1.0 for n in extremes], dtype=torch.float64
-        )
-        packed = torch.stack([metrics[n].value.to(torch.float64) for n in extremes]) * signs
+        packed = torch.stack([metrics[n].value.to(torch.float64) for n in extremes])
+        # on the values' device: a host constant would stop the product on a GPU
+        signs = packed.new_tensor([-1.0 if metrics[n].kind == "min" else 1.0 for n in extremes])
+        packed = packed * signs
         total = max_over(packed, group) * signs
         for i, n in enumerate(extremes):
             out[n] = Metric(total[i], metrics[n].count, metrics[n].kind)

@@ -33,7 +33,12 @@ from cwgrpo_megatron.megatron.checkpoint import (
 )
 from cwgrpo_megatron.megatron.forward import forward_logits
 from cwgrpo_megatron.megatron.launch import init_distributed
-from cwgrpo_megatron.megatron.model import DTYPES, build_model, load_hf_weights
+from cwgrpo_megatron.megatron.model import (
+    DTYPES,
+    build_model,
+    load_hf_weights,
+    use_transformer_engine,
+)
 
 log = logging.getLogger(__name__)
 VOCAB_DIVISIBLE_BY = 128
@@ -112,7 +117,7 @@ def _hf_tensors(model, arch: ModelArch, dtype: torch.dtype) -> Iterator[tuple[st
     """HF-named tensors in `dtype`. Megatron's torch norms keep fp32 weights under bf16
     parameters; HF checkpoints hold one dtype, so those are cast (a no-op for the rest)."""
     params = dict(model.named_parameters())
-    for item in stage_params(arch, pp=1):
+    for item in stage_params(arch, pp=1, te_spec=use_transformer_engine()):
         tensors = to_hf(item.rule, [params[item.megatron_name].detach()], arch)
         for name, tensor in zip(item.hf_names, tensors, strict=True):
             yield name, tensor.to(dtype)
@@ -260,8 +265,8 @@ def compare_with_hf(
         tokens = torch.randint(0, arch.vocab_size, (batch, seq), generator=gen)
         logits = forward_logits(model, tokens).float()[..., : arch.vocab_size]
         with torch.no_grad():
-            ref = hf(tokens).logits.float()
-        target = torch.roll(tokens, -1, dims=1)
+            ref = hf(tokens).logits.float().to(logits.device)  # HF's model stays on the host
+        target = torch.roll(tokens, -1, dims=1).to(logits.device)
         logp, _ = vocab_parallel_logprob_entropy(
             logits, target, group=parallel_state.get_tensor_model_parallel_group()
         )

@@ -28,6 +28,8 @@ def forward_only(
 
     def forward_step(data_iterator, model_chunk):
         index, tokens = next(data_iterator)
+        # token ids made on the host (a check's fixed sequences) go to the model's device
+        tokens = tokens.to(next(model_chunk.parameters()).device)
         b, length = tokens.shape
         positions = torch.arange(length, device=tokens.device).unsqueeze(0).expand(b, length)
         output = model_chunk(tokens, positions, attention_mask=None)

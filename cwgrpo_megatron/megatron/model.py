@@ -32,6 +32,19 @@ def use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def fusion_settings(*, te: bool) -> dict[str, bool]:
+    """Megatron's kernel fusions: on with Transformer Engine's layers (which needs a GPU), off
+    with the local spec, where the torch layers have none of them.
+
+    - bias_activation_fusion: SwiGLU in one kernel, so a layer keeps fc1's output alone for the
+      backward pass (`analysis.planner`: 3 x [n, f/tp] per layer instead of 5);
+    - apply_rope_fusion: TE's fused rotary embedding;
+    - gradient_accumulation_fusion: TE adds each micro-batch's weight gradient straight into
+      the fp32 `main_grad`; without it the gradient is rounded to bf16 first.
+    """
+    return dict(bias_activation_fusion=te, apply_rope_fusion=te, gradient_accumulation_fusion=te)
+
+
 def transformer_config(
     arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32, **overrides
 ) -> TransformerConfig:
@@ -54,12 +67,10 @@ def transformer_config(
         add_qkv_bias=arch.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        **fusion_settings(te=use_transformer_engine()),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -281,6 +281,8 @@ def score(model, arch: ModelArch, tokens: torch.Tensor) -> torch.Tensor | None:
     of the engine group (sent from the last stage over PP); None on ranks outside that group."""
     if not in_engine_group():
         return None
+    # on the model's device: the zeros of the other stages are broadcast over NCCL on a GPU
+    tokens = tokens.to(next(unwrap(model).parameters()).device)
     logits = forward_logits(model, tokens)
     last = parallel_state.is_pipeline_last_stage()
     logp = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, device=tokens.device)

@@ -61,12 +61,17 @@ def _sharded_state(actor: Actor, *, is_loading: bool) -> dict:
 
 def _ensure_optimizer_state(optimizer) -> None:
     """Megatron's distributed optimizer needs its (lazily made) state to exist before it can
-    describe the shards to load into. Without apex / TE, torch's Adam also keeps a per-param
-    `step`, which Megatron's init_state_fn does not create; the loaded value replaces it."""
+    describe the shards to load into. Without apex / TE, Megatron falls back to torch's Adam,
+    which also keeps a per-param `step` that Megatron's init_state_fn does not create; the
+    loaded value replaces it. TE's and apex's FusedAdam keep the step per group and refuse any
+    other per-param key (TE's `state_dict` raises KeyError in `get_unscaled_state`), so they
+    get none."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if opt.init_state_fn is None:
             continue
         opt.init_state_fn(opt.optimizer, opt.config)
+        if not isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            continue
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
                 opt.optimizer.state[p].setdefault("step", torch.tensor(0.0))

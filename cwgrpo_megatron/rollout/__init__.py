@@ -10,6 +10,8 @@
 
 from collections.abc import Sequence
 
+import torch
+
 from cwgrpo_megatron.rollout.base import (
     Completion,
     RolloutEngine,
@@ -64,11 +66,16 @@ def build_engine(
         kv_cache_bytes=cfg.kv_cache_mb << 20,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         enable_sleep_mode=cfg.enable_sleep_mode,
-        enforce_eager=cfg.enforce_eager,
+        enforce_eager=eager(cfg, cuda=torch.cuda.is_available()),
         shm_dir=cfg.shm_dir,
         tensor_parallel_size=cfg.tp,
         devices=devices,
     )
+
+
+def eager(cfg: RolloutConfig, *, cuda: bool) -> bool:
+    """rollout.enforce_eager, or when it is unset: eager on CPU, compiled on a GPU."""
+    return (not cuda) if cfg.enforce_eager is None else cfg.enforce_eager
 
 
 def sampling_config(cfg: RolloutConfig, *, temperature: float, seed: int | None = None):

@@ -34,12 +34,13 @@ class RolloutConfig:
     """vLLM's share of GPU memory when colocated with training."""
     enable_sleep_mode: bool = True
     """Free vLLM's KV cache and weights during training (GPU only; a no-op on CPU)."""
-    enforce_eager: bool = True
-    """Run vLLM eagerly; false compiles the model (torch.compile, and CUDA graphs on GPU). On
-    2 CPU cores with SmolLM2-135M (the demo's rollouts, benchmarks/bench_vllm_compile.py),
-    compiling adds 131 s to the engine's start with an empty compile cache (81 s with a warm
-    one) and saves 0.28 s (0.96 s) of an 8.5 s rollout: it pays after some 470 (84) steps,
-    not within the demo's 8."""
+    enforce_eager: bool | None = None
+    """Run vLLM eagerly (true), or compile the model (false: torch.compile, and CUDA graphs on
+    a GPU). None: compiled on a GPU, where CUDA graphs are vLLM's default and decoding is
+    launch-bound without them; eager on CPU. On 2 CPU cores with SmolLM2-135M (the demo's
+    rollouts, benchmarks/bench_vllm_compile.py), compiling adds 131 s to the engine's start
+    with an empty compile cache (81 s with a warm one) and saves 0.28 s (0.96 s) of an 8.5 s
+    rollout: it pays after some 470 (84) steps, not within the demo's 8."""
     shm_dir: str = "/dev/shm"
     """Where the vLLM engine's weight-sync buffer lives: a tmpfs with room for one copy of the
     model in the engine dtype, kept while the engine runs."""

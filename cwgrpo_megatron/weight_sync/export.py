@@ -44,8 +44,9 @@ class ExportGroups:
 
     tp: Group = None
     pp: Group = None
-    te_spec: bool = False
-    """Names of the norms differ with Transformer Engine's fused layer spec."""
+    te_spec: bool
+    """Names of the norms differ with Transformer Engine's fused layer spec (no default: see
+    `convert.mapping.stage_params`)."""
 
 
 def hf_tensors(

@@ -109,7 +109,7 @@ class SyncPlan:
             pp=pp,
         )
 
-    def received_bytes(self, arch: ModelArch, dtype: torch.dtype, *, te_spec: bool = False):
+    def received_bytes(self, arch: ModelArch, dtype: torch.dtype, *, te_spec: bool):
         """Bytes each node receives from other nodes per sync: {node: bytes}, every node with an
         engine listed (0 when it holds every shard)."""
         out = {self.replicas.nodes[o]: 0 for o in self.replicas.owners}

@@ -255,7 +255,7 @@ def write_shards(
     tp_rank: int,
     pp: int,
     pp_rank: int,
-    te_spec: bool = False,
+    te_spec: bool,
 ) -> int:
     """Copy this rank's Megatron shards into their slices of the buffer; returns bytes written.
 

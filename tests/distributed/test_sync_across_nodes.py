@@ -59,7 +59,7 @@ def _fill(rank, world_size, hf_dir, tp, pp, per_node, shm_dir):
             "node": node,
             "received": received,
             "equal": equal,
-            "planned": plan.received_bytes(arch, torch.float32),
+            "planned": plan.received_bytes(arch, torch.float32, te_spec=False),
             "writers": sorted(plan.writers),
         }
     finally:

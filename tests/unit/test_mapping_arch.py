@@ -140,19 +140,21 @@ def test_gate_up_shards_hold_matching_halves():
     assert torch.equal(shard[:48], gate[:48]) and torch.equal(shard[48:], up[:48])
 
 
-def test_stage_params_cover_the_model_once():
+@pytest.mark.parametrize("te_spec", [False, True], ids=["local", "te"])
+def test_stage_params_cover_the_model_once(te_spec):
     tied = ModelArch.from_hf_dict({**HF, "tie_word_embeddings": True})
     for arch in (ARCH, tied):
         for pp in (1, 2, 4):
             seen = []
             for rank in range(pp):
-                seen += [n for p in stage_params(arch, pp_rank=rank, pp=pp) for n in p.hf_names]
+                params = stage_params(arch, pp_rank=rank, pp=pp, te_spec=te_spec)
+                seen += [n for p in params for n in p.hf_names]
             expected = set(hf_names(arch))
             assert set(seen) == expected
             if not (arch.tie_embeddings and pp > 1):
                 assert len(seen) == len(expected), "an HF tensor was used twice"
     assert layer_offset(1, num_layers=4, pp=2) == 2
-    last = list(stage_params(ARCH, pp_rank=1, pp=2))
+    last = list(stage_params(ARCH, pp_rank=1, pp=2, te_spec=te_spec))
     assert last[0].megatron_name.startswith("decoder.layers.0.")
     assert last[0].hf_names[0].startswith("model.layers.2.")
 
@@ -161,7 +163,7 @@ def test_megatron_shapes():
     padded = padded_vocab_size(1000, tp=2)
     shapes = {
         p.megatron_name: megatron_shape(p.rule, ARCH, tp=2, padded_vocab=padded)
-        for p in stage_params(ARCH)
+        for p in stage_params(ARCH, te_spec=False)
     }
     assert shapes["embedding.word_embeddings.weight"] == (512, 64)
     assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == (48, 64)

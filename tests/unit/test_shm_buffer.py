@@ -29,7 +29,7 @@ def _random_model(arch: ModelArch) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=gen) for n, s in hf_shapes(arch).items()}
 
 
-def _rank_params(hf, arch, *, tp, tp_rank, pp, pp_rank):
+def _rank_params(hf, arch, *, tp, tp_rank, pp, pp_rank, te_spec):
     """What Megatron rank (tp_rank, pp_rank) holds: its shard of every parameter of its stage."""
     padded = padded_vocab_size(arch.vocab_size, tp=tp)
     return {
@@ -41,14 +41,19 @@ def _rank_params(hf, arch, *, tp, tp_rank, pp, pp_rank):
             tp_rank=tp_rank,
             padded_vocab=padded,
         )
-        for item in stage_params(arch, pp_rank=pp_rank, pp=pp)
+        for item in stage_params(arch, pp_rank=pp_rank, pp=pp, te_spec=te_spec)
     }
 
 
+@pytest.mark.parametrize("te_spec", [False, True], ids=["local", "te"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_rank_writes_its_shards_and_the_buffer_is_the_hf_model(buffers, tied, tp, pp, dtype):
+def test_every_rank_writes_its_shards_and_the_buffer_is_the_hf_model(
+    buffers, tied, tp, pp, dtype, te_spec
+):
+    """Under either layer spec's parameter names (Transformer Engine fuses the norms into the
+    next linear layer), each element of the HF model is written once."""
     arch = ModelArch.from_hf_dict({**HF, "tie_word_embeddings": tied})
     hf = _random_model(arch)
     buffer = buffers(hf_shapes(arch), dtype)
@@ -57,10 +62,9 @@ def test_every_rank_writes_its_shards_and_the_buffer_is_the_hf_model(buffers, ti
     written = 0
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            params = _rank_params(hf, arch, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
-            written += shm.write_shards(
-                buffer, params, arch, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank
-            )
+            where = dict(tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, te_spec=te_spec)
+            params = _rank_params(hf, arch, **where)
+            written += shm.write_shards(buffer, params, arch, **where)
     element = torch.empty((), dtype=dtype).element_size()
     assert written == sum(t.numel() for t in hf.values()) * element  # each element once
     # what the engine process reads: a fresh mapping of the same file
