@@ -186,17 +186,12 @@ def trainer_state(
     optimizer: str = "adam",
     distributed: bool = False,
     dp_rank: int | None = None,
-    local_spec: bool = False,
 ) -> TrainerState:
     """Bytes of parameters, gradient buffer and optimizer state on one rank of `stage`; with
-    the distributed optimizer, on DP rank `dp_rank` (None: the most-loaded one). `local_spec`:
-    Megatron's local layer spec (CPU), whose RMSNorm weights stay fp32 in a bf16 model."""
-    tensors = stage_tensors(arch, tp=tp, pp=pp, stage=stage)
-    # DDP keeps one buffer per parameter dtype; the local spec's norms stay fp32 in a bf16 model
-    by_dtype: dict[str, list[tuple[str, int]]] = {}
-    for name, numel in tensors:
-        dtype = "float32" if local_spec and name.endswith("layernorm.weight") else params_dtype
-        by_dtype.setdefault(dtype, []).append((name, numel))
+    the distributed optimizer, on DP rank `dp_rank` (None: the most-loaded one). Every
+    parameter is in `params_dtype` (`megatron.model.build_model` casts the local spec's norms),
+    so DDP keeps one buffer."""
+    by_dtype = {params_dtype: stage_tensors(arch, tp=tp, pp=pp, stage=stage)}
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
     moments = 8 if optimizer == "adam" else 0
@@ -588,7 +583,6 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
             params_dtype=setting.params_dtype,
             optimizer=setting.optimizer,
             distributed=setting.distributed_optimizer,
-            local_spec=setting.spec == "local",
         )
         ref = 0
         if setting.kl_beta > 0:  # a frozen copy: parameters only, no DDP buffer
@@ -599,7 +593,6 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
                 dp=dp,
                 stage=stage,
                 params_dtype=setting.params_dtype,
-                local_spec=setting.spec == "local",
             ).params
         act = activation_bytes(
             arch,

@@ -114,8 +114,8 @@ def load_checkpoint_model(ckpt_dir: str | os.PathLike):
 
 
 def _hf_tensors(model, arch: ModelArch, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors in `dtype`. Megatron's torch norms keep fp32 weights under bf16
-    parameters; HF checkpoints hold one dtype, so those are cast (a no-op for the rest)."""
+    """HF-named tensors in `dtype` (the checkpoint's parameters are already in it: a no-op
+    unless the two differ)."""
     params = dict(model.named_parameters())
     for item in stage_params(arch, pp=1, te_spec=use_transformer_engine()):
         tensors = to_hf(item.rule, [params[item.megatron_name].detach()], arch)

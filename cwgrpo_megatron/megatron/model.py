@@ -122,6 +122,13 @@ def build_model(
             parallel_output=True,
         )
     model.vocab_size_unpadded = arch.vocab_size
+    # The local spec's torch norms make their weights in torch's default dtype, fp32, whatever
+    # params_dtype says (Megatron-LM casts them with its Float16Module, which we do not use). A
+    # bf16 model with fp32 norms has two dtypes of parameters, and Megatron's optimizer state
+    # then does not line up with the model's parameters when a checkpoint is saved.
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm | torch.nn.LayerNorm):
+            module.to(params_dtype)
     return model
 
 

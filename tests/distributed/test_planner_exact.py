@@ -65,7 +65,6 @@ def _measure_states(rank, world):
                     params_dtype=dtype,
                     distributed=distopt,
                     dp_rank=dp_rank,
-                    local_spec=True,
                 )
                 out.append(
                     dict(

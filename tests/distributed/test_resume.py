@@ -61,7 +61,7 @@ def test_sigkill_during_save_then_resume_is_bit_identical(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"]
 
 
-def _train(rank, world, root, tp, steps, resume, dist_opt, save):
+def _train(rank, world, root, tp, steps, resume, dist_opt, save, dtype="float32"):
     from cwgrpo_megatron.checks import layout_check
     from cwgrpo_megatron.data.batching import synthetic_batch
     from cwgrpo_megatron.megatron import parallel, train_checkpoint
@@ -79,6 +79,7 @@ def _train(rank, world, root, tp, steps, resume, dist_opt, save):
             "optim.optimizer=adam",
             "optim.lr=1e-3",
             f"optim.use_distributed_optimizer={dist_opt}",
+            f"train.params_dtype={dtype}",
         ],
     )
     actor, _ = layout_check.tiny_actor(cfg)
@@ -116,6 +117,20 @@ def test_distributed_optimizer_resume_is_exact_and_reshards(tmp_path):
     moved = run_distributed(_train, 2, root, 2, 3, True, True, False)[0]
     assert moved["loaded_checksum"] == pytest.approx(first["checksum"], rel=1e-12)
     assert moved["losses"][0] == pytest.approx(rest["losses"][0], rel=1e-5)
+
+
+@pytest.mark.parametrize("dist_opt", [True, False], ids=["distributed", "regular"])
+def test_a_bf16_run_saves_and_resumes_exactly(tmp_path, dist_opt):
+    """bf16 parameters with fp32 master weights, as the GPU recipes train, at DP2: the
+    checkpoint saves (it did not while the local spec's norms stayed fp32 in a bf16 model) and
+    the resumed run is the uninterrupted one, bit for bit."""
+    root = str(tmp_path / "ckpt")
+    bf16 = (dist_opt, False, "bfloat16")
+    full = run_distributed(_train, 2, str(tmp_path / "full"), 1, 3, False, *bf16)[0]
+    first = run_distributed(_train, 2, root, 1, 2, False, dist_opt, True, "bfloat16")[0]
+    rest = run_distributed(_train, 2, root, 1, 3, True, *bf16)[0]
+    assert first["losses"] + rest["losses"] == full["losses"]
+    assert rest["checksum"] == full["checksum"]
 
 
 def test_optimizer_kind_mismatch_is_a_clear_error(tmp_path):
