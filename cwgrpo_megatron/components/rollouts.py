@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from cwgrpo_megatron.components.inputs import Inputs
@@ -61,7 +62,10 @@ class Rollouts:
         """Where the engines live: the same on every rank (one all_gather_object of the
         hostnames), so that a bad rollout.replicas fails alike everywhere."""
         replicas = Replicas.place(
-            node_of_each_rank(group), cfg.rollout.replicas, engine_tp=cfg.rollout.tp
+            node_of_each_rank(group),
+            cfg.rollout.replicas,
+            engine_tp=cfg.rollout.tp,
+            cuda=torch.cuda.is_available(),
         )
         if len(replicas.groups) > 1 and cfg.rollout.backend != "vllm":
             raise ValueError(

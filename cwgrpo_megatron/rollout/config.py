@@ -44,11 +44,13 @@ class RolloutConfig:
     shm_dir: str = "/dev/shm"
     """Where the vLLM engine's weight-sync buffer lives: a tmpfs with room for one copy of the
     model in the engine dtype, kept while the engine runs."""
-    replicas: int | str = "per_node"
-    """Engine replicas: per_node (one engine on each node, as torchrun counts nodes), or how
-    many in the whole job: a multiple of the node count (each node's ranks are split evenly
-    into groups of consecutive ranks; a group's first rank owns its engine), or fewer than the
-    nodes (one on each of the first ones; 1: one engine, on rank 0). Each replica generates
+    replicas: int | str = "auto"
+    """Engine replicas: auto (on GPUs one engine per `tp` consecutive GPUs of every node, so
+    that every GPU generates; on CPU one per node), per_node (one engine on each node, as
+    torchrun counts nodes), or how many in the whole job: a multiple of the node count (each
+    node's ranks are split evenly into groups of consecutive ranks; a group's first rank owns
+    its engine), or fewer than the nodes (one on each of the first ones; 1: one engine, on
+    rank 0). Each replica generates
     its share of a step's prompts and scores it (`rollout.replicas`)."""
     tp: int = 1
     """The engine's tensor-parallel size: on GPU it runs on the first `tp` devices of its
@@ -64,11 +66,11 @@ class RolloutConfig:
         check_range("rollout.top_k", self.top_k, low=0)
         for key in ("max_tokens", "kv_cache_mb", "tp"):
             check_range(f"rollout.{key}", getattr(self, key), low=1)
-        if self.replicas != "per_node" and not (
+        if self.replicas not in ("auto", "per_node") and not (
             isinstance(self.replicas, int) and self.replicas >= 1
         ):
             raise ValueError(
-                f"rollout.replicas={self.replicas!r} must be per_node or a positive integer"
+                f"rollout.replicas={self.replicas!r} must be auto, per_node or a positive integer"
             )
         check_range(
             "rollout.gpu_memory_utilization", self.gpu_memory_utilization, low=0.01, high=1.0

@@ -36,16 +36,31 @@ class Replicas:
 
     @classmethod
     def place(
-        cls, nodes: Sequence[Hashable], replicas: int | str, *, engine_tp: int = 1
+        cls,
+        nodes: Sequence[Hashable],
+        replicas: int | str,
+        *,
+        engine_tp: int = 1,
+        cuda: bool = False,
     ) -> Replicas:
         """Replica groups for ranks on `nodes` (the node id of each global rank, any labels):
-        `replicas` R per_node, R >= nodes (R / nodes on each node) or R < nodes (one on each
-        of the first R nodes; the others hold no engine). ValueError when R cannot be split
-        evenly, or a group would have fewer ranks than the engine's tensor-parallel size."""
+        `replicas` R auto (with `cuda`, one per `engine_tp` consecutive ranks, i.e. GPUs, of
+        every node; else per_node), per_node, R >= nodes (R / nodes on each node) or R < nodes
+        (one on each of the first R nodes; the others hold no engine). ValueError when R cannot
+        be split evenly, or a group would have fewer ranks than the engine's tensor-parallel
+        size."""
         order = list(dict.fromkeys(nodes))
         index = tuple(order.index(n) for n in nodes)
         members = [[r for r, n in enumerate(index) if n == node] for node in range(len(order))]
-        count = len(order) if replicas == "per_node" else int(replicas)
+        if replicas == "auto" and cuda:
+            uneven = [len(m) for m in members if len(m) % engine_tp]
+            if uneven:
+                raise ValueError(
+                    f"a node of {uneven[0]} GPUs does not split into engines of "
+                    f"rollout.tp={engine_tp} GPUs: set rollout.tp to a divisor of it"
+                )
+            replicas = sum(len(m) for m in members) // engine_tp
+        count = len(order) if replicas in ("auto", "per_node") else int(replicas)
         if count > len(order) and count % len(order):
             raise ValueError(
                 f"rollout.replicas={replicas} does not split over {len(order)} nodes: use a "

@@ -56,10 +56,35 @@ def test_prompt_shares_cover_the_step_once_in_order(prompts, count):
 def test_rollout_replicas_and_tp_in_the_config():
     cfg = load_config(None, ["rollout.replicas=4", "rollout.tp=2"])
     assert (cfg.rollout.replicas, cfg.rollout.tp) == (4, 2)
-    assert load_config(None, []).rollout.replicas == "per_node"
+    assert load_config(None, []).rollout.replicas == "auto"
     for bad in ("rollout.replicas=0", "rollout.replicas=each_gpu"):
-        with pytest.raises(ValueError, match="per_node or a positive integer"):
+        with pytest.raises(ValueError, match="auto, per_node or a positive integer"):
             load_config(None, [bad])
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("engine_tp", [1, 2, 4, 8])
+def test_auto_puts_an_engine_on_every_engine_tp_gpus_of_every_node(nodes, engine_tp):
+    """8 GPUs a node: each run of `engine_tp` consecutive local GPUs is one engine, owned by
+    its lowest rank, on exactly those GPUs (its CUDA_VISIBLE_DEVICES)."""
+    ranks = [node for node in range(nodes) for _ in range(8)]
+    replicas = Replicas.place(ranks, "auto", engine_tp=engine_tp, cuda=True)
+    per_node = 8 // engine_tp
+    assert len(replicas.groups) == nodes * per_node
+    assert replicas.owners == tuple(range(0, 8 * nodes, engine_tp))
+    for replica, owner in enumerate(replicas.owners):
+        local = owner % 8
+        assert replicas.devices(replica) == list(range(local, local + engine_tp))
+        assert replicas.groups[replica] == tuple(range(owner, owner + engine_tp))
+    # every GPU of the job belongs to exactly one engine
+    assert sorted(r for g in replicas.groups for r in g) == list(range(8 * nodes))
+
+
+def test_auto_on_cpu_is_one_engine_a_node_and_an_uneven_gpu_split_is_an_error():
+    ranks = [0, 0, 1, 1]
+    assert Replicas.place(ranks, "auto") == Replicas.place(ranks, "per_node")
+    with pytest.raises(ValueError, match="node of 6 GPUs does not split into engines of "):
+        Replicas.place([0] * 6, "auto", engine_tp=4, cuda=True)
 
 
 def _arch(**changes) -> ModelArch:
