@@ -23,7 +23,14 @@ from cwgrpo_megatron.components.rollouts import Rollouts
 from cwgrpo_megatron.components.sync import WeightSync
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.dist import all_gather_objects, all_gather_or_fail, fail_together, world_group
+from cwgrpo_megatron.dist import (
+    all_gather_objects,
+    all_gather_or_fail,
+    close_control_group,
+    fail_together,
+    open_control_group,
+    world_group,
+)
 from cwgrpo_megatron.megatron import parallel, train_checkpoint
 from cwgrpo_megatron.megatron.conversion import load_start_weights
 from cwgrpo_megatron.megatron.model import use_transformer_engine
@@ -48,12 +55,14 @@ def build_trainer(cfg: Config) -> Trainer:
     groups, then the engines (an in-process vLLM engine ends torch.distributed)."""
     group = world_group()
     cfg.check_world(dist.get_world_size())
+    open_control_group(cfg.run.collective_timeout_min)  # the agreements' waits: gloo, bounded
     replicas = Rollouts.place(cfg, group)
     with fail_together("preparing the run folder", group):
         run = prepare(cfg) if dist.get_rank() == 0 else RunDir(Path(cfg.run.out_dir).resolve())
     inputs = Inputs.read(cfg, group)
     with contextlib.ExitStack() as stack:
         engines = stack.enter_context(contextlib.ExitStack())  # entered first: released last
+        stack.callback(close_control_group)  # after Megatron's groups, before the engines
         parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
         stack.callback(parallel.destroy)
         actor = _build_actor(cfg, inputs.arch, group)

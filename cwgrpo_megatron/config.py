@@ -260,6 +260,11 @@ class RunConfig:
     checkpoint)."""
     samples_gzip: bool = True
     """Write samples/step_NNNNNNNN.jsonl.gz (gzip) rather than plain .jsonl."""
+    collective_timeout_min: float = 240.0
+    """How long a rank waits for the others at a phase's agreement (`dist.fail_together` and
+    the job's other object collectives, which go over a gloo group beside NCCL): long enough
+    for rank 0 to evaluate a 72B model while the others wait; past it every rank stops with an
+    error naming this key."""
 
     def __post_init__(self) -> None:
         if not self.out_dir:
@@ -270,6 +275,7 @@ class RunConfig:
             check_range(f"run.{key}", getattr(self, key), low=1)
         check_choice("run.export_hf", self.export_hf, EXPORT_MODES)
         check_range("run.verify_sync_tol", self.verify_sync_tol, low=0.0)
+        check_range("run.collective_timeout_min", self.collective_timeout_min, low=0.01)
         if not self.resume:
             raise ValueError("run.resume is empty: use auto, none or a checkpoint folder")
 

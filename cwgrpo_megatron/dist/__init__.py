@@ -1,16 +1,19 @@
 """The only door to collectives: explicit process groups, `group=None` = this process alone."""
 
 from cwgrpo_megatron.dist.collectives import (
+    CollectiveTimeout,
     all_gather,
     all_gather_objects,
     broadcast_from,
     broadcast_into,
     broadcast_object,
+    close_control_group,
     exchange,
     global_rank,
     job_rank,
     max_over,
     node_of_each_rank,
+    open_control_group,
     rank_in,
     size_of,
     sum_over,
@@ -34,6 +37,7 @@ from cwgrpo_megatron.dist.scopes import (
 from cwgrpo_megatron.dist.vocab_parallel import vocab_parallel_logprob_entropy
 
 __all__ = [
+    "CollectiveTimeout",
     "LayoutDependentWarning",
     "PeerFailure",
     "agree_on_failure",
@@ -43,6 +47,7 @@ __all__ = [
     "broadcast_from",
     "broadcast_into",
     "broadcast_object",
+    "close_control_group",
     "covariance_weights",
     "exchange",
     "fail_together",
@@ -54,6 +59,7 @@ __all__ = [
     "max_over",
     "micro_batch_scope",
     "node_of_each_rank",
+    "open_control_group",
     "rank_in",
     "reduce_metrics",
     "size_of",
