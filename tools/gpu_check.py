@@ -24,8 +24,8 @@ Checks, in order (each is timed; one that raises is a FAIL with its error, and t
   resume          save after a step, load into a new actor: parameters and optimizer state equal
                   (TE's FusedAdam when present)
   sync_torch      the weight sync into the torch engine on the GPU, checked by log-probs
-  vllm            vLLM on the GPU: generate, sleep, wake, generate (needs vLLM)
   sync_vllm       the weight sync into vLLM on the GPU, checked by log-probs (needs vLLM)
+  vllm            vLLM on the GPU: generate, sleep, wake, generate (needs vLLM)
 """
 
 from __future__ import annotations
@@ -382,8 +382,9 @@ CHECKS = {
     "planner": check_planner,
     "resume": check_resume,
     "sync_torch": lambda ctx: check_sync(ctx, "torch"),
-    "vllm": check_vllm,
+    # an in-process vLLM engine ends torch.distributed when it shuts down: these come last
     "sync_vllm": lambda ctx: check_sync(ctx, "vllm"),
+    "vllm": check_vllm,
 }
 
 
