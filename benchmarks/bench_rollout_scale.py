@@ -99,8 +99,8 @@ def worker(args) -> None:
                 rollout = time.perf_counter() - start
                 scored = rollouts.score(prompts, groups)
                 start = time.perf_counter()
-                verify = weights.due(step)
-                pushed = weights.push(trainer.actor.model, rollouts.engine, verify=verify)
+                pushed = weights.push(trainer.actor.model, rollouts.engine)
+                weights.check(trainer.actor.model, rollouts.engine, step=step)
                 received = pushed["sync/received_mb"]
                 sync = time.perf_counter() - start
                 # the loop's cross-replica collectives again, alone, with this step's payload

@@ -59,7 +59,7 @@ def build_trainer(cfg: Config) -> Trainer:
     replicas = Rollouts.place(cfg, group)
     with fail_together("preparing the run folder", group):
         run = prepare(cfg) if dist.get_rank() == 0 else RunDir(Path(cfg.run.out_dir).resolve())
-    inputs = Inputs.read(cfg, group)
+    inputs = Inputs.read(cfg, group, evaluators=replicas.owners)
     with contextlib.ExitStack() as stack:
         engines = stack.enter_context(contextlib.ExitStack())  # entered first: released last
         stack.callback(close_control_group)  # after Megatron's groups, before the engines
@@ -72,8 +72,10 @@ def build_trainer(cfg: Config) -> Trainer:
         sync = WeightSync.build(cfg, replicas, actor.model, inputs.arch, rollouts.engine)
         state = LoopState(step=0, sampler=rollouts.sampler)
         saved_line = _resume(cfg, run, actor, state, group)
+        rollouts.at_step(state.step)
         if state.step:  # the engines still hold the start checkpoint
-            sync.push(actor.model, rollouts.engine, verify=True)
+            sync.push(actor.model, rollouts.engine)
+            sync.check(actor.model, rollouts.engine, step=None)
         _write_run_files(run, state.step, saved_line, group)
         tracker = Tracker(cfg, run, start_step=state.step, enabled=dist.get_rank() == 0)
         stack.callback(tracker.close)

@@ -258,6 +258,10 @@ class RunConfig:
     """The verdict's floor: a sync fails when the engine-vs-trainer gap, at its worst token or
     on average, exceeds max(verify_sync_tol, 10 x the same gap measured on the start
     checkpoint)."""
+    trace_engine: bool = False
+    """Append every engine's generate, sleep, wake and weight-load calls to
+    out_dir/engine_calls.jsonl (`rollout.trace`): the order of a step's memory phases, which
+    on CPU is not seen otherwise."""
     samples_gzip: bool = True
     """Write samples/step_NNNNNNNN.jsonl.gz (gzip) rather than plain .jsonl."""
     collective_timeout_min: float = 240.0

@@ -7,13 +7,15 @@ step 10 is `components.sync.WeightSync`):
                    engine replica's owner takes its share (`rollout.replicas.Replicas.share`)
     2. rollouts    G completions per prompt from the owner's engine; prompt j of step k is
                    sampled with `rollout_seed(train.seed, k, j)`, whatever the layout, the
-                   number of replicas or the history
+                   number of replicas or the history; then the engines sleep
+                   (rollout.sleep_level) while the trainer works
     3. rewards     each owner scores its own groups in its worker pool, so each completion is
                    scored once in the whole job; one all-gather then gives every rank the step
     4. advantages  per group, and the TrainBatch (identical on every rank)
     5-9.           `train_step`: micro-batches, forward-only pass, scope statistics, 1F1B
                    training pass, optimizer step, metrics reduced once
-    10. sync       the weights go into every replica's engine; every run.verify_sync steps
+    10. sync       the engines' weights wake, the trainer's weights go into every
+                   replica's engine, then their KV caches wake; every run.verify_sync steps
                    each engine is checked
     then the metrics line, evaluation and checkpoint, each when due.
 """
@@ -34,7 +36,7 @@ from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.data.batching import TrainBatch, batch_from_rollouts
 from cwgrpo_megatron.data.prompts import PromptSampler
 from cwgrpo_megatron.dist import fail_together, world_group
-from cwgrpo_megatron.eval.runner import evaluate, write_json
+from cwgrpo_megatron.eval.runner import write_json
 from cwgrpo_megatron.megatron import train_checkpoint
 from cwgrpo_megatron.megatron.conversion import export_hf
 from cwgrpo_megatron.megatron.train_step import train_step
@@ -78,9 +80,8 @@ class LoopState:
 @dataclass(kw_only=True)
 class Trainer:
     """The parts of a run (built by `build.build_trainer`). Rank-specific ones are None where a
-    rank has no use for them: an engine and a reward on each replica's owner
-    (`rollouts.engine`, `rollouts.reward`), the evaluation benchmarks on rank 0, which owns the
-    first replica (`inputs.benchmarks`)."""
+    rank has no use for them: an engine, a reward and the evaluation benchmarks on each
+    replica's owner (`rollouts.engine`, `rollouts.reward`, `inputs.benchmarks`)."""
 
     cfg: Config
     inputs: Inputs
@@ -108,14 +109,22 @@ class Trainer:
             prompts = self.rollouts.draw(step)
             with timer("rollout"):
                 groups = self.rollouts.generate(prompts)
+            with timer("sleep"):
+                self.rollouts.sleep()
             with timer("reward"):
                 scored = self.rollouts.score(prompts, groups)
             batch = self.advantages(scored)
             results = train_step(self.actor, batch, timer=timer)
+            model, engine = self.actor.model, self.rollouts.engine
+            with timer("wake"):
+                self.rollouts.wake("weights")
             with timer("sync"):
-                verify = self.sync.due(step)
-                checked = self.sync.push(self.actor.model, self.rollouts.engine, verify=verify)
-            metrics = {**rollout_metrics(scored), **actor_metrics(results), **checked}
+                pushed = self.sync.push(model, engine)
+            with timer("wake"):
+                self.rollouts.wake("kv_cache")
+            with timer("sync"):
+                checked = self.sync.check(model, engine, step=step)
+            metrics = {**rollout_metrics(scored), **actor_metrics(results), **pushed, **checked}
             self.write_samples(step, scored)
             if _due(step, cfg.run.eval_every, cfg.rollout_steps) and self.cfg.eval.benchmarks:
                 with timer("eval"):
@@ -159,26 +168,18 @@ class Trainer:
         )
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Benchmarks through rank 0's engine (the other ranks wait for its verdict)."""
+        """The benchmarks on every engine (`Rollouts.evaluate`); rank 0 writes
+        eval/step_N.json and returns the metrics ({} elsewhere)."""
         e, metrics = self.cfg.eval, {}
-        with fail_together("evaluation", world_group()):
-            if self.inputs.benchmarks is not None:
-                sampling = SamplingConfig(
-                    temperature=e.temperature,
-                    top_p=e.top_p,
-                    max_tokens=e.max_tokens or self.cfg.rollout.max_tokens,
-                    seed=e.seed,
-                )
-                result = evaluate(
-                    self.rollouts.engine,
-                    self.inputs.tokenizer,
-                    self.inputs.benchmarks,
-                    n=e.n,
-                    sampling=sampling,
-                    prompt_format=self.inputs.prompt_format,
-                    reward=self.rollouts.reward.verifier,
-                    progress=False,
-                )
+        sampling = SamplingConfig(
+            temperature=e.temperature,
+            top_p=e.top_p,
+            max_tokens=e.max_tokens or self.cfg.rollout.max_tokens,
+            seed=e.seed,
+        )
+        result = self.rollouts.evaluate(self.inputs.benchmarks, n=e.n, sampling=sampling)
+        with fail_together("writing the evaluation", world_group()):
+            if result is not None:
                 write_json(result, self.run.eval(step))
                 for bench, summary in result["summary"].items():
                     for key in (f"avg@{e.n}", f"pass@{e.n}"):

@@ -24,8 +24,11 @@ Checks, in order (each is timed; one that raises is a FAIL with its error, and t
   resume          save after a step, load into a new actor: parameters and optimizer state equal
                   (TE's FusedAdam when present)
   sync_torch      the weight sync into the torch engine on the GPU, checked by log-probs
-  sync_vllm       the weight sync into vLLM on the GPU, checked by log-probs (needs vLLM)
-  vllm            vLLM on the GPU: generate, sleep, wake, generate (needs vLLM)
+  sync_vllm_ipc   the weight sync into vLLM engine processes over CUDA IPC (vLLM's weight
+                  transfer), checked by log-probs (needs vLLM)
+  sync_vllm       the weight sync into vLLM in this process on the GPU, checked by log-probs
+  vllm            vLLM on the GPU: generate, sleep at levels 1 and 2, wake, reload, generate
+                  the same tokens; what each level frees (needs vLLM)
 """
 
 from __future__ import annotations
@@ -323,10 +326,12 @@ def check_resume(ctx) -> Result:
     return Result("resume", "PASS" if ok else "FAIL", figure, detail=dict(optimizer=optimizer))
 
 
-def check_sync(ctx, backend: str) -> Result:
+def check_sync(ctx, backend: str, *, processes: bool = False) -> Result:
     """The training loop's verdict (`SyncVerifier`): after each of two Adam steps and syncs,
     the engine's gap to the trainer stays within 10x the gap before any step, while the step
-    moved the stale engine's log-probs beyond that tolerance."""
+    moved the stale engine's log-probs beyond that tolerance. `processes`: vLLM in engine
+    processes, whose weights come over CUDA IPC (`weight_sync.ipc`); else in this process,
+    reading the trainer's tensors."""
     from cwgrpo_megatron.checks.sync_check import REALISTIC_STEP, Gap, SyncVerifier, run_check
 
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -335,7 +340,7 @@ def check_sync(ctx, backend: str) -> Result:
     # change an RL-sized step makes, and no tolerance could tell a sync from none
     out = run_check(
         hf_dir=str(ctx["model_dir"]), backend=backend, rounds=2, dtype="float32",
-        step=REALISTIC_STEP,
+        step=REALISTIC_STEP, engine_args={"in_process": False} if processes else None,
     )  # fmt: skip
     tol = SyncVerifier.tolerance(Gap(out["start_max_abs"], out["start_mean_abs"]), 1e-4)
     within = all(m <= tol.max for m in out["max_abs"]) and all(
@@ -347,31 +352,54 @@ def check_sync(ctx, backend: str) -> Result:
         f"{max(out['mean_abs']):.2e}), tolerance {tol.max:.2e} ({tol.mean:.2e}); stale engine "
         f"{min(out['stale_max_abs']):.2e}"
     )
-    return Result(f"sync_{backend}", "PASS" if within and seen else "FAIL", figure, detail=out)
+    path_ok = not processes or out["paths"] == ["ipc", "ipc"]
+    name = f"sync_{backend}_ipc" if processes else f"sync_{backend}"
+    return Result(name, "PASS" if within and seen and path_ok else "FAIL", figure, detail=out)
 
 
 def check_vllm(ctx) -> Result:
+    """The engine's sleep cycle as the trainer runs it (docs/design.md, section 4), at both
+    levels: generate; sleep; wake the weights (level 2: then load them again, as the sync
+    does); wake the KV cache; generate again with the same seed. Same tokens, and the GiB each
+    level frees on the device."""
     if importlib.util.find_spec("vllm") is None:
         raise Skip("vLLM is not installed")
+    import torch
+
+    from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
     from cwgrpo_megatron.rollout import SamplingConfig, get_engine
 
+    model_dir = str(ctx["model_dir"])
     engine = get_engine("vllm")(
-        str(ctx["model_dir"]), dtype="bfloat16", seed=0, max_model_len=256,
+        model_dir, dtype="bfloat16", seed=0, max_model_len=256,
         gpu_memory_utilization=0.3, enable_sleep_mode=True, enforce_eager=False,
     )  # fmt: skip
+    prompt, freed, same = [[1, 2, 3, 4, 5]], {}, {}
+    sampling = SamplingConfig(temperature=1.0, max_tokens=16, seed=0)
     try:
-        prompt = [[1, 2, 3, 4, 5]]
-        sampling = SamplingConfig(temperature=1.0, max_tokens=16, seed=0)
-        first = engine.generate(prompt, 2, sampling)
-        engine.sleep()
-        engine.wake()
-        again = engine.generate(prompt, 2, sampling)
+        first = _tokens(engine.generate(prompt, 2, sampling))
+        for level in (1, 2):
+            awake = torch.cuda.mem_get_info()[0]
+            engine.sleep(level)
+            freed[level] = (torch.cuda.mem_get_info()[0] - awake) / 2**30
+            engine.wake(["weights"])
+            if level == 2:  # its weights were dropped: the sync's load puts them back
+                ckpt = HFCheckpoint(model_dir)
+                engine.update_weights((name, ckpt.get(name)) for name in ckpt.names())
+            engine.wake(["kv_cache"])
+            same[level] = _tokens(engine.generate(prompt, 2, sampling)) == first
     finally:
         engine.shutdown()
-    tokens = [len(c.token_ids) for g in [*first, *again] for c in g.completions]
-    ok = all(t > 0 for t in tokens)
-    figure = f"generate, sleep, wake, generate: completion tokens {tokens}"
-    return Result("vllm", "PASS" if ok else "FAIL", figure, detail=dict(tokens=tokens))
+    ok = all(same.values()) and all(f > 0 for f in freed.values())
+    figure = (
+        f"sleep level 1 frees {freed[1]:.2f} GiB, level 2 {freed[2]:.2f} GiB; same tokens "
+        f"after each wake: {same[1]}, {same[2]}"
+    )
+    return Result("vllm", "PASS" if ok else "FAIL", figure, detail=dict(freed_gib=freed))
+
+
+def _tokens(groups) -> list[list[int]]:
+    return [c.token_ids for g in groups for c in g.completions]
 
 
 CHECKS = {
@@ -382,6 +410,7 @@ CHECKS = {
     "planner": check_planner,
     "resume": check_resume,
     "sync_torch": lambda ctx: check_sync(ctx, "torch"),
+    "sync_vllm_ipc": lambda ctx: check_sync(ctx, "vllm", processes=True),
     # an in-process vLLM engine ends torch.distributed when it shuts down: these come last
     "sync_vllm": lambda ctx: check_sync(ctx, "vllm"),
     "vllm": check_vllm,

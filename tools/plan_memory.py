@@ -1,16 +1,20 @@
 """Will this run fit? GPU memory per rank by phase for a run config, before the allocation.
 
     python tools/plan_memory.py --config configs/qwen2p5_math_7b.yaml
-    python tools/plan_memory.py --config configs/qwen2p5_72b.yaml --nodes 8 --rollout-tp 8
+    python tools/plan_memory.py --config configs/qwen2p5_72b.yaml --nodes 8 --rollout-tp 4
     python tools/plan_memory.py --config configs/qwen2p5_32b.yaml --search --top 10
     python tools/plan_memory.py --config configs/qwen2p5_14b.yaml --json parallel.tp=4
+    python tools/plan_memory.py --config configs/qwen2p5_math_7b.yaml --plot memory.png
 
 Prints, for the most-loaded GPU: parameters, gradient buffer and optimizer state (exactly as
 Megatron-Core allocates them), the reference model (kl_beta > 0), the activations of the
 micro-batches 1F1B keeps in flight at the config's micro-batch and recompute, vLLM's share when
-colocated, the peak of each phase (rollout, old-logp, train) and the verdict against capacity.
---search lists every layout (tp, pp, micro-batch size, recompute) that fits, fastest first by
-`planner.step_seconds` (an ordering rule, not a prediction). --json prints one JSON object.
+colocated, the peak of each phase of a step (rollout, old_logp, train, wake: the engine's
+weights back for the sync) and the verdict against capacity. --gpu-gib is the GPU's total
+memory, of which vLLM takes rollout.gpu_memory_utilization. --search lists every layout (tp,
+pp, micro-batch size, recompute) that fits, fastest first by `planner.step_seconds` (an
+ordering rule, not a prediction). --json prints one JSON object. --plot draws the phases
+stacked by kind.
 The model is the config's model.arch (a name of configs/models, or an HF config.json), else
 the config.json in model.path. The formulas are in cwgrpo_megatron/analysis/planner.py. Exit 2 on a
 layout or config that cannot work, 1 when the plan does not fit.
@@ -58,11 +62,11 @@ def report(arch: ModelArch, p: planner.Plan) -> str:
         (
             "vLLM reservation",
             v.reserved,
-            f"weights {v.weights / planner.GiB:.2f} at rollout tp={s.engine_tp}"
-            + ("" if s.rollout_tp else " (one engine for the whole batch)")
-            + f"; KV cache "
+            f"weights {v.weights / planner.GiB:.2f} at rollout tp={s.rollout_tp}, "
+            f"{p.engines} engine(s); KV cache "
             f"{v.kv_needed / planner.GiB:.2f} needed, {v.kv_available / planner.GiB:.2f} there "
-            f"({v.concurrency:.0%} of its sequences at once)",
+            f"({v.concurrency:.0%} of its sequences at once); asleep (level {s.sleep_level}) "
+            f"{v.sleeping / planner.GiB:.2f}",
         ),
         ("reserve (CUDA context, NCCL)", planner.RESERVE, ""),
     ]
@@ -89,6 +93,52 @@ def report(arch: ModelArch, p: planner.Plan) -> str:
             "the rollout tp"
         )
     return "\n".join(lines)
+
+
+KIND_COLOURS = {
+    "parameters": "#4c72b0",
+    "gradients": "#55a868",
+    "optimizer": "#8172b2",
+    "reference model": "#64b5cd",
+    "activations": "#c44e52",
+    "engine weights": "#dd8452",
+    "KV cache": "#ccb974",
+    "engine other": "#937860",
+    "reserve": "#8c8c8c",
+}
+
+
+def plot(p: planner.Plan, out: Path, title: str) -> Path:
+    """A step's memory on the most-loaded GPU, phase by phase, stacked by kind; the GPU's
+    capacity as a line. Written to a temporary file, then renamed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    phases = list(p.parts)
+    bottoms = [0.0] * len(phases)
+    for kind, colour in KIND_COLOURS.items():
+        heights = [p.parts[phase].get(kind, 0) / planner.GiB for phase in phases]
+        if any(heights):
+            ax.bar(phases, heights, bottom=bottoms, color=colour, label=kind, width=0.6)
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for x, total in enumerate(bottoms):
+        ax.text(x, total + 0.5, f"{total:.1f}", ha="center", va="bottom", fontsize=9)
+    capacity = p.cluster.gpu_gib
+    ax.axhline(capacity, color="black", linestyle="--", linewidth=1)
+    ax.text(-0.45, capacity, f"{capacity:g} GiB", va="bottom", ha="left")
+    ax.set_ylabel("GiB on the most-loaded GPU")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
 
 
 def search_table(arch: ModelArch, found, top: int) -> str:
@@ -123,6 +173,8 @@ def main(argv=None) -> int:
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
     parser.add_argument("--top", type=int, default=15, help="rows of --search")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png",
+                        help="draw the phases' memory, stacked by kind, to FILE.png")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=4")
     args = parser.parse_args(argv)
     try:
@@ -153,6 +205,14 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(p.to_json(arch)) if args.json else report(arch, p))
+    if args.plot is not None:
+        s = p.setting
+        title = (
+            f"{' + '.join(Path(c).stem for c in args.config)}: tp={s.tp} pp={s.pp} dp={p.dp}, "
+            f"rollout tp={s.rollout_tp}, sleep level {s.sleep_level}"
+        )
+        plot(p, args.plot, title)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0 if p.fits else 1
 
 

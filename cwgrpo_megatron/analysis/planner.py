@@ -25,21 +25,27 @@ attention instead of its internals; full keeps each chunk's input hidden state [
 rebuilds one chunk at a time in backward. 1F1B keeps min(pp - stage, micro-batches)
 micro-batches in flight on a stage.
 
-**vLLM** (`vllm_bytes`), when colocated: vLLM reserves gpu_memory_utilization x capacity at
-start; its weights (HF count, engine dtype, / rollout TP) must fit in it, and what is left is KV
-cache (2 L kv_heads head_dim bytes per token, / rollout TP). A KV cache smaller than the engine's
-sequences at max_model_len does not fail: vLLM runs fewer at once (`VllmShare.concurrency`).
-Sleep mode (level 1) gives back all but SLEEP_RESIDUAL during old-logp and train. By default
-(`Setting.rollout_tp` None) one engine at TP1 generates the whole batch (rollout.replicas=1; with
-per-node replicas an engine GPU holds the same bytes and its share of the sequences);
-rollout_tp = N plans one engine per N GPUs (rollout.tp=N, rollout.replicas = GPUs / N).
+**vLLM** (`vllm_bytes`), when colocated: vLLM reserves gpu_memory_utilization x the GPU's
+total memory at start (`Cluster.gpu_gib` is that total); its weights (HF count, engine dtype, /
+rollout TP) must fit in it, and what is left is KV cache (2 L kv_heads head_dim bytes per
+token, / rollout TP). A KV cache smaller than the engine's sequences at max_model_len does not
+fail: vLLM runs fewer at once (`VllmShare.concurrency`). The engines are placed as
+rollout.replicas says (`Setting.engines`; auto: one per rollout.tp GPUs), each generating its
+share of the step's sequences; an engine's GPU is the most-loaded one.
 
-**Phases**: rollout = state + reference + vLLM's reservation; old_logp = state + reference +
-vLLM residual + one forward's working set; train = state + reference + vLLM residual +
-activations in flight + the backward working set. Each adds RESERVE (CUDA context, NCCL,
-allocator fragmentation). The run fits when the largest phase is within capacity and vLLM's
-weights fit its reservation. The phases are those of the most-loaded GPU (with one engine,
-rank 0's).
+**Phases**, the step's timeline on an engine's GPU (docs/design.md, section 4), each with
+RESERVE (CUDA context, NCCL, allocator fragmentation):
+
+    rollout   state + reference + vLLM's whole reservation (weights, KV cache, workspace)
+    old_logp  state + reference + vLLM asleep + one forward's working set
+    train     state + reference + vLLM asleep + activations in flight + backward working set
+    wake      state + reference + vLLM asleep + its weights (woken for the sync; the KV
+              cache wakes after it, when the trainer's activations are gone)
+
+vLLM asleep is SLEEP_RESIDUAL at rollout.sleep_level 1 or 2 (level 1 moves the weights to host
+memory, level 2 drops them), its whole reservation at level 0. The run fits when the largest
+phase is within capacity and vLLM's weights fit its reservation. `Plan.parts` holds each
+phase's bytes by kind.
 """
 
 from __future__ import annotations
@@ -51,10 +57,13 @@ from typing import NamedTuple
 
 from cwgrpo_megatron.convert.arch import ModelArch, divisors, padded_vocab_size
 from cwgrpo_megatron.dist.vocab_parallel import GPU_CHUNK_ELEMENTS
+from cwgrpo_megatron.rollout import engine_sleep_level
 
 GiB = 1 << 30
 RECOMPUTE = ("none", "selective", "full")
 SPECS = ("te", "local")
+PHASES = ("rollout", "old_logp", "train", "wake")
+"""A step's phases on an engine's GPU, in the order they come."""
 OPTIMIZERS = ("adam", "sgd")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 RESERVE = 2 * GiB
@@ -332,12 +341,28 @@ class VllmShare:
     """The KV cache for this engine's rollout sequences at max_model_len."""
     kv_available: int
     sleeping: int
-    """What stays allocated while it sleeps."""
+    """What stays allocated while it sleeps (all of `reserved` at sleep level 0)."""
 
     @property
     def concurrency(self) -> float:
         """Share of the engine's sequences that fit in its KV cache at once (<= 1)."""
         return 1.0 if self.kv_needed <= 0 else min(1.0, self.kv_available / self.kv_needed)
+
+    def parts(self, phase: str) -> dict[str, int]:
+        """Its bytes on the GPU in `phase`, by kind."""
+        if self.reserved == 0:
+            return {}
+        weights = min(self.weights, self.reserved)
+        awake = {
+            "engine weights": weights,
+            "KV cache": self.kv_available,
+            "engine other": self.reserved - weights - self.kv_available,
+        }
+        if phase == "rollout" or self.sleeping == self.reserved:
+            return awake
+        if phase == "wake":
+            return {"engine weights": weights, "engine other": self.sleeping}
+        return {"engine other": self.sleeping}
 
 
 def vllm_bytes(
@@ -349,10 +374,9 @@ def vllm_bytes(
     sequences: int,
     max_model_len: int,
     dtype: str,
-    sleep: bool,
+    sleep_level: int,
 ) -> VllmShare:
-    """vLLM's share of one GPU: `sequences` are those of this GPU's engine (rollout batch x
-    rollout_tp / world)."""
+    """vLLM's share of one GPU: `sequences` are those of this GPU's engine."""
     e = DTYPE_BYTES[dtype]
     reserved = int(utilization * capacity)
     weights = params_total(arch) * e // rollout_tp
@@ -365,7 +389,7 @@ def vllm_bytes(
         weights=weights,
         kv_needed=kv_needed,
         kv_available=kv_available,
-        sleeping=SLEEP_RESIDUAL if sleep else reserved,
+        sleeping=min(SLEEP_RESIDUAL, reserved) if sleep_level else reserved,
     )
 
 
@@ -407,19 +431,22 @@ class Setting:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     spec: str = "te"
-    rollout_tp: int | None = None
-    """None: one vLLM engine (tensor-parallel size 1) that generates the whole rollout batch.
-    N: one engine per N GPUs, each generating its share (rollout.tp = N, rollout.replicas =
-    GPUs / N)."""
+    rollout_tp: int = 1
+    """The engine's tensor-parallel size (rollout.tp)."""
+    replicas: int | str = "auto"
+    """rollout.replicas: auto (one engine per rollout_tp GPUs), per_node, or how many."""
     max_model_len: int = 4096
     utilization: float = 0.5
-    sleep: bool = True
+    sleep_level: int = 2
+    """rollout.sleep_level as it resolves on GPUs (None there is 2)."""
     engine_dtype: str = "bfloat16"
     colocated: bool = True
 
-    @property
-    def engine_tp(self) -> int:
-        return self.rollout_tp or 1
+    def engines(self, cluster: Cluster) -> int:
+        """How many engines the job runs (`rollout.replicas.Replicas.place` on GPUs)."""
+        if self.replicas == "auto":
+            return cluster.world // self.rollout_tp
+        return cluster.nodes if self.replicas == "per_node" else int(self.replicas)
 
     @classmethod
     def from_config(cls, cfg, **changes) -> Setting:
@@ -445,9 +472,10 @@ class Setting:
             recompute_num_layers=t.recompute_num_layers,
             max_model_len=r.max_model_len,
             utilization=r.gpu_memory_utilization,
-            sleep=r.enable_sleep_mode,
+            sleep_level=engine_sleep_level(r, cuda=True),
             engine_dtype=cfg.engine_dtype,
-            rollout_tp=r.tp if r.tp > 1 else None,
+            rollout_tp=r.tp,
+            replicas=r.replicas,
         )
         values.update(changes)
         return cls(**values)
@@ -468,10 +496,15 @@ class Plan:
     """Saved bytes of the micro-batches in flight on that stage, plus the backward working set."""
     forward_working: int
     vllm: VllmShare
+    engines: int
+    """Engines in the job."""
     phases: dict[str, int] = field(default_factory=dict)
     """Peak bytes of each phase on its most-loaded stage."""
     phase_stage: dict[str, int] = field(default_factory=dict)
     """That stage, per phase."""
+    parts: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Each phase's bytes by kind (parameters, gradients, optimizer, reference model,
+    activations, engine weights, KV cache, engine other, reserve); they add up to `phases`."""
 
     @property
     def peak(self) -> int:
@@ -508,6 +541,12 @@ class Plan:
             "vllm_fits": self.vllm_fits,
             "phases": dict(self.phases),
             "phase_stage": dict(self.phase_stage),
+            "parts": {phase: dict(parts) for phase, parts in self.parts.items()},
+            "rollout": {
+                "tp": self.setting.rollout_tp,
+                "engines_per_node": max(1, self.engines // self.cluster.nodes),
+                "sleep_level": self.setting.sleep_level,
+            },
             "vllm": dataclasses.asdict(self.vllm) | {"concurrency": self.vllm.concurrency},
         }
 
@@ -534,9 +573,15 @@ def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
             f"{prompts_rows} sequences per mini-batch do not split over dp={dp} ranks into "
             f"micro-batches of {setting.micro_batch_size}"
         )
-    if arch.num_kv_heads % setting.engine_tp and setting.engine_tp % arch.num_kv_heads:
+    rtp = setting.rollout_tp
+    if setting.replicas == "auto" and cluster.gpus_per_node % rtp:
         raise ValueError(
-            f"rollout tp={setting.engine_tp} and num_key_value_heads={arch.num_kv_heads}: "
+            f"rollout tp={rtp} does not split a node of {cluster.gpus_per_node} GPUs into "
+            "engines: use a divisor of it"
+        )
+    if arch.num_kv_heads % rtp and rtp % arch.num_kv_heads:
+        raise ValueError(
+            f"rollout tp={rtp} and num_key_value_heads={arch.num_kv_heads}: "
             "one must divide the other"
         )
     return dp
@@ -549,6 +594,7 @@ class _Stage(NamedTuple):
     activations: int
     forward_working: int
     phases: dict[str, int]
+    parts: dict[str, dict[str, int]]
 
 
 def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
@@ -558,19 +604,16 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
     tp, pp = setting.tp, setting.pp
     rows = setting.sequences_per_step // setting.mini_batches // dp
     micro = rows // setting.micro_batch_size
+    engines = setting.engines(cluster)
     vllm = vllm_bytes(
         arch,
         capacity=cluster.capacity,
         utilization=setting.utilization if setting.colocated else 0.0,
-        rollout_tp=setting.engine_tp,
-        sequences=(
-            setting.sequences_per_step
-            if setting.rollout_tp is None
-            else setting.sequences_per_step * setting.rollout_tp // cluster.world
-        ),
+        rollout_tp=setting.rollout_tp,
+        sequences=-(-setting.sequences_per_step // engines),
         max_model_len=setting.max_model_len,
         dtype=setting.engine_dtype,
-        sleep=setting.sleep,
+        sleep_level=setting.sleep_level,
     )
     stages = []
     for stage in range(pp):
@@ -608,13 +651,20 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
             spec=setting.spec,
         )
         train_act = min(pp - stage, micro) * act.saved + act.working
-        resident = state.total + ref + RESERVE
-        phases = {
-            "rollout": resident + vllm.reserved,
-            "old_logp": resident + vllm.sleeping + act.forward_working,
-            "train": resident + vllm.sleeping + train_act,
+        resident = {
+            "parameters": state.params,
+            "gradients": state.grads,
+            "optimizer": state.optimizer,
+            "reference model": ref,
+            "reserve": RESERVE,
         }
-        stages.append(_Stage(stage, state, ref, train_act, act.forward_working, phases))
+        activations = {"old_logp": act.forward_working, "train": train_act}
+        parts = {
+            phase: resident | {"activations": activations.get(phase, 0)} | vllm.parts(phase)
+            for phase in PHASES
+        }
+        phases = {phase: sum(kinds.values()) for phase, kinds in parts.items()}
+        stages.append(_Stage(stage, state, ref, train_act, act.forward_working, phases, parts))
     # every figure is that of its own most-loaded stage (train: the first, by 1F1B's in-flight
     # micro-batches; rollout: the last, by the output layer)
     worst = {name: max(stages, key=lambda x: x.phases[name]) for name in stages[0].phases}
@@ -633,8 +683,10 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
         activations=max(x.activations for x in stages),
         forward_working=max(x.forward_working for x in stages),
         vllm=vllm,
+        engines=engines,
         phases={name: x.phases[name] for name, x in worst.items()},
         phase_stage={name: x.stage for name, x in worst.items()},
+        parts={name: x.parts[name] for name, x in worst.items()},
     )
 
 

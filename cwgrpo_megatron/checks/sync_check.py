@@ -79,10 +79,14 @@ def first_layers(hf_dir: str, num_layers: int | None) -> Iterator[str]:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def start_engine(backend: str, hf_dir: str, *, dtype: str, max_model_len: int, seed: int):
+def start_engine(
+    backend: str, hf_dir: str, *, dtype: str, max_model_len: int, seed: int, **engine_args
+):
     from cwgrpo_megatron.rollout import get_engine
 
-    return get_engine(backend)(hf_dir, dtype=dtype, max_model_len=max_model_len, seed=seed)
+    return get_engine(backend)(
+        hf_dir, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_args
+    )
 
 
 def fixed_sequences(vocab_size: int, *, batch: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -228,13 +232,15 @@ def run_check(
     step: Sequence[str] = (),
     engine=None,
     plant: str | None = None,
+    engine_args: dict | None = None,
 ) -> dict | None:
     """Summary on rank 0, None on other ranks: `start_max_abs` and `start_mean_abs` (the
     engine-vs-trainer gap while both hold the checkpoint, before any step) and per round {max_abs,
     mean_abs, stale_max_abs, versions, paths, loads, rss_mb}. `step` overrides the optimizer
     settings of each round's update (default: layout_config's SGD; the CLI passes
     REALISTIC_STEP). `engine` may be given (rank 0) to reuse one across calls. `plant` (one of
-    SYNC_PLANTS) corrupts what the engine holds after each sync, a negative control."""
+    SYNC_PLANTS) corrupts what the engine holds after each sync, a negative control.
+    `engine_args` go to the engine rank 0 starts (e.g. in_process=False)."""
     if plant is not None and plant not in SYNC_PLANTS:
         raise ValueError(f"unknown plant {plant!r}; choose from {', '.join(SYNC_PLANTS)}")
     world = dist.get_world_size()
@@ -254,7 +260,9 @@ def run_check(
         own = dist.get_rank() == ENGINE_RANK
         owns_engine = own and engine is None
         if owns_engine:
-            engine = start_engine(backend, hf_dir, dtype=dtype, max_model_len=128, seed=seed)
+            engine = start_engine(
+                backend, hf_dir, dtype=dtype, max_model_len=128, seed=seed, **(engine_args or {})
+            )
         tokens = fixed_sequences(arch.vocab_size, batch=batch, seq_len=seq_len, seed=seed + 7)
         rows = tokens.tolist()
         report: dict = {k: [] for k in ("max_abs", "mean_abs", "stale_max_abs")}

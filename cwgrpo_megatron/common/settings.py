@@ -12,9 +12,10 @@ class ConfigWarning(UserWarning):
     """A setting that is allowed but makes part of the run do nothing."""
 
 
-def check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
+def check_choice(key: str, value, allowed: Sequence) -> None:
     if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+        choices = ", ".join(map(str, allowed))
+        raise ValueError(f"{key}={value!r} is not allowed; choose one of: {choices}")
 
 
 def check_range(key: str, value: float, *, low: float, high: float | None = None) -> None:

@@ -1,5 +1,6 @@
 """What a run reads before any model exists: the start checkpoint's architecture, the tokenizer
-and prompt format, the training prompts and (rank 0) the evaluation problems."""
+and prompt format, the training prompts and (on the engines' owners) the evaluation
+problems."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ class Inputs:
     prompt_format: PromptFormat
     train_set: PromptSet
     benchmarks: dict[str, list[Problem]] | None
-    """Evaluation problems by benchmark, on rank 0 when eval.benchmarks names any; else None."""
+    """Evaluation problems by benchmark, on the ranks that evaluate (`read`'s `evaluators`) when
+    eval.benchmarks names any; else None."""
 
     @classmethod
-    def read(cls, cfg: Config, group) -> Inputs:
-        """Every rank reads the same inputs (each node its own copy of model.path); a failure
-        on any rank raises on all of them. One all_gather_object checks the architectures."""
+    def read(cls, cfg: Config, group, *, evaluators: tuple[int, ...] = (0,)) -> Inputs:
+        """Every rank reads the same inputs (each node its own copy of model.path), and the
+        ranks `evaluators` (the engines' owners) the benchmarks; a failure on any rank raises
+        on all of them. One all_gather_object checks the architectures."""
         rank0 = dist.get_rank() == 0
         with fail_together("loading the tokenizer and the prompts", group):
             # a missing model folder, or one that is not model.arch, fails here, clearly
@@ -40,7 +43,7 @@ class Inputs:
             fmt = prompt_format(cfg.model)
             train_set, heldout, report = build_prompt_sets(cfg.data, tokenizer, fmt)
             benchmarks = None
-            if rank0 and cfg.eval.benchmarks:
+            if dist.get_rank() in evaluators and cfg.eval.benchmarks:
                 benchmarks = _benchmarks(cfg, heldout)
         _same_model_everywhere(arch, cfg.model.path, group)
         if rank0:

@@ -1,4 +1,5 @@
-"""Steps 1-3 of a training step: the prompts, their rollouts and their rewards.
+"""Steps 1-3 of a training step: the prompts, their rollouts and their rewards; and the
+engines' memory around the trainer's phases (sleep after the rollouts, wake for the sync).
 
     Rollouts = prompt sampler + engine replicas (where the engines live) + this rank's engine
                and reward worker pool (on each replica's owner; None elsewhere)
@@ -23,14 +24,22 @@ from cwgrpo_megatron.components.inputs import Inputs
 from cwgrpo_megatron.config import Config, TrainConfig
 from cwgrpo_megatron.data.prompts import Problem, PromptSampler
 from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, node_of_each_rank, world_group
+from cwgrpo_megatron.eval.runner import eval_requests, eval_result, sample_requests
 from cwgrpo_megatron.megatron.conversion import export_hf, is_megatron_checkpoint
 from cwgrpo_megatron.megatron.publish import check_engine
 from cwgrpo_megatron.megatron.train_step import Actor
 from cwgrpo_megatron.reward import WeightedReward, build_reward
 from cwgrpo_megatron.reward.scoring import ScoredGroup, score_groups
-from cwgrpo_megatron.rollout import RolloutConfig, RolloutEngine, build_engine, sampling_config
-from cwgrpo_megatron.rollout.base import RolloutGroup, rollout_seed
+from cwgrpo_megatron.rollout import (
+    RolloutConfig,
+    RolloutEngine,
+    build_engine,
+    engine_sleep_level,
+    sampling_config,
+)
+from cwgrpo_megatron.rollout.base import RolloutGroup, SamplingConfig, rollout_seed
 from cwgrpo_megatron.rollout.replicas import Replicas
+from cwgrpo_megatron.rollout.trace import TracedEngine
 from cwgrpo_megatron.run.run_dir import RunDir
 
 log = logging.getLogger("cwgrpo_megatron.train")
@@ -56,6 +65,8 @@ class Rollouts:
     replicas: Replicas
     engine: RolloutEngine | None
     reward: WeightedReward | None
+    sleep_level: int
+    """`rollout.sleep_level` resolved for this machine: 0 never sleeps."""
 
     @staticmethod
     def place(cfg: Config, group) -> Replicas:
@@ -98,7 +109,8 @@ class Rollouts:
         checkpoint is exported to the run folder first) and its reward workers. The engine's
         shutdown goes on `engines` as soon as it runs, the workers' on `stack`, so that a
         failure after either still releases it. The engine's model is checked against the
-        trainer's on every node before step 1."""
+        trainer's on every node before step 1. With run.trace_engine the engine's calls go to
+        the run folder's engine_calls.jsonl (`rollout.trace`)."""
         engine_dir = cfg.model.path
         if is_megatron_checkpoint(engine_dir):
             engine_dir = export_hf(
@@ -121,6 +133,8 @@ class Rollouts:
                 )
                 engines.callback(engine.shutdown)
                 check_engine(engine, inputs.arch)
+                if cfg.run.trace_engine:
+                    engine = TracedEngine(engine, run.engine_calls, replica=replica)
         if replica is not None:
             reward = build_reward(cfg.reward, workers=_reward_workers(replicas))
             stack.callback(reward.close)
@@ -132,11 +146,18 @@ class Rollouts:
             replicas=replicas,
             engine=engine,
             reward=reward,
+            sleep_level=engine_sleep_level(cfg.rollout, cuda=torch.cuda.is_available()),
         )
+
+    def at_step(self, step: int) -> None:
+        """The engine's next calls belong to `step` (its trace's step field)."""
+        if isinstance(self.engine, TracedEngine):
+            self.engine.step = step
 
     def draw(self, step: int) -> StepPrompts:
         """Step 1: the step's prompts that this rank's engine samples (every rank advances the
         sampler alike); none on ranks without an engine."""
+        self.at_step(step)
         t, prompts = self.train, self.inputs.train_set
         indices = self.sampler.next_indices(t.prompts_per_step)
         replica = self.replicas.owned_by(dist.get_rank())
@@ -179,6 +200,68 @@ class Rollouts:
 
         pieces = all_gather_or_fail(mine, "scoring the rollouts", world_group())
         return sorted((g for piece in pieces for g in piece), key=lambda g: g.position)
+
+    def evaluate(
+        self, benchmarks: dict[str, list[Problem]] | None, *, n: int, sampling: SamplingConfig
+    ) -> dict | None:
+        """The benchmarks on every engine: their requests (`eval.runner.eval_requests`, in
+        order) split over the replicas as a step's prompts are, each owner sampling and scoring
+        its share; one all-gather of the records. `eval_result`'s dict on rank 0, None
+        elsewhere. Each problem's seed goes with it, so the result equals a one-engine
+        evaluation's."""
+        replica, made = self.replicas.owned_by(dist.get_rank()), {}
+
+        def mine():
+            if replica is None:
+                return []
+            made["requests"], made["skipped"] = eval_requests(
+                benchmarks,
+                self.inputs.tokenizer,
+                n=n,
+                sampling=sampling,
+                max_model_len=self.engine.max_model_len,
+                prompt_format=self.inputs.prompt_format,
+            )
+            share = self.replicas.share(replica, len(made["requests"]))
+            return sample_requests(
+                self.engine,
+                self.inputs.tokenizer,
+                benchmarks,
+                made["requests"][share.start : share.stop],
+                n=n,
+                sampling=sampling,
+                reward=self.reward.verifier,
+            )
+
+        pieces = all_gather_or_fail(mine, "evaluating the benchmarks", world_group())
+        if dist.get_rank() != 0:
+            return None
+        records = [group for owner in self.replicas.owners for group in pieces[owner]]
+        return eval_result(made["requests"], records, made["skipped"], n=n)
+
+    # ---- the engines' memory (docs/design.md, section 4) ----------------------------------
+
+    def sleep(self) -> None:
+        """After the rollouts: each engine frees its GPU memory at rollout.sleep_level for
+        the trainer's phases (nothing at level 0)."""
+        if self.sleep_level:
+            with fail_together("putting the rollout engines to sleep", world_group()):
+                if self.engine is not None:
+                    self.engine.sleep(self.sleep_level)
+
+    def wake(self, tag: str) -> None:
+        """Take back one kind of the engines' memory: "weights" before the sync (the ranks on
+        an engine's GPU first return the trainer's cached blocks to the device, at the end of
+        its peak), "kv_cache" after it, so that the two are never back together while the
+        trainer's buffers are. Nothing at level 0."""
+        if not self.sleep_level:
+            return
+        on_engine_gpu = torch.cuda.is_available() and self.replicas.shares_gpu(dist.get_rank())
+        if tag == "weights" and on_engine_gpu:
+            torch.cuda.empty_cache()
+        with fail_together(f"waking the rollout engines' {tag}", world_group()):
+            if self.engine is not None:
+                self.engine.wake([tag])
 
 
 def _reward_workers(replicas: Replicas) -> int:

@@ -67,18 +67,19 @@ class WeightSync:
             verify_every=cfg.run.verify_sync,
         )
 
-    def due(self, step: int) -> bool:
-        """Is the check due after step `step`'s sync?"""
-        return bool(self.verify_every) and step % self.verify_every == 0
-
-    def push(self, model, engine: RolloutEngine | None, *, verify: bool) -> dict[str, float]:
+    def push(self, model, engine: RolloutEngine | None) -> dict[str, float]:
         """Weights into every engine (every rank calls this; `engine` on the owners): the most
-        MiB a node received from the others and, with `verify` and a verifier, the worst
-        engine's gap and the tolerance (SyncMismatchError on every rank above it)."""
+        MiB a node received from the others."""
         done = sync_weights(model, self.arch, engine, dtype=self.dtype, plan=self.plan)
-        metrics = {"sync/received_mb": max(done.received.values()) / 2**20}
-        if not verify or self.verifier is None:
-            return metrics
+        return {"sync/received_mb": max(done.received.values()) / 2**20}
+
+    def check(self, model, engine: RolloutEngine | None, *, step: int | None) -> dict[str, float]:
+        """After step `step`'s push, when a check is due (every run.verify_sync steps; always
+        for `step` None): the worst engine's gap to the trainer and the tolerance
+        (SyncMismatchError on every rank above it); {} otherwise. The engines must be awake."""
+        due = step is None or (self.verify_every and step % self.verify_every == 0)
+        if not due or self.verifier is None:
+            return {}
         gap, tol = self.verifier.check(model, self.arch, engine), self.verifier.tol
-        return {**metrics, "sync/gap": gap.max, "sync/tol": tol.max, "sync/gap_mean": gap.mean,
+        return {"sync/gap": gap.max, "sync/tol": tol.max, "sync/gap_mean": gap.mean,
                 "sync/tol_mean": tol.mean}  # fmt: skip

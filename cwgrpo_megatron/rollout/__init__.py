@@ -65,9 +65,10 @@ def build_engine(
         in_process=cfg.in_process,
         kv_cache_bytes=cfg.kv_cache_mb << 20,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        enable_sleep_mode=cfg.enable_sleep_mode,
+        enable_sleep_mode=engine_sleep_level(cfg, cuda=torch.cuda.is_available()) > 0,
         enforce_eager=eager(cfg, cuda=torch.cuda.is_available()),
         shm_dir=cfg.shm_dir,
+        weight_sync=cfg.weight_sync,
         tensor_parallel_size=cfg.tp,
         devices=devices,
     )
@@ -76,6 +77,12 @@ def build_engine(
 def eager(cfg: RolloutConfig, *, cuda: bool) -> bool:
     """rollout.enforce_eager, or when it is unset: eager on CPU, compiled on a GPU."""
     return (not cuda) if cfg.enforce_eager is None else cfg.enforce_eager
+
+
+def engine_sleep_level(cfg: RolloutConfig, *, cuda: bool) -> int:
+    """rollout.sleep_level, or when it is unset: 2 on GPUs, 0 on CPU (vLLM's CPU build has no
+    sleep mode)."""
+    return (2 if cuda else 0) if cfg.sleep_level is None else cfg.sleep_level
 
 
 def sampling_config(cfg: RolloutConfig, *, temperature: float, seed: int | None = None):
@@ -99,4 +106,5 @@ __all__ = [
     "build_engine",
     "get_engine",
     "sampling_config",
+    "engine_sleep_level",
 ]

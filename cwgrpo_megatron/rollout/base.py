@@ -103,9 +103,15 @@ class RolloutEngine(WeightReceiver, Protocol):
         """log p(x_t | x_<t) at temperature 1 for t >= 1 of each sequence (scoring only)."""
         ...
 
-    def sleep(self) -> None: ...
+    def sleep(self, level: int) -> None:
+        """Free GPU memory until `wake`: level 1 the KV cache (the weights go to host memory),
+        2 the KV cache and the weights (they must be loaded again). Nothing on CPU."""
+        ...
 
-    def wake(self) -> None: ...
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what `sleep` freed: `tags` from "weights" and "kv_cache" (None: both);
+        the engine generates again once both are back."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -195,6 +201,9 @@ def checked_weights(
 class EngineBase:
     """What every backend keeps: the checkpoint's architecture and HF tensor shapes (what an
     update must deliver), the request limits, the policy version and a seed source."""
+
+    ipc = False
+    """Weight updates come over CUDA IPC (`receive_ipc`); only a vLLM engine on GPUs."""
 
     def __init__(
         self, model_dir: str | os.PathLike, *, seed: int, max_model_len: int, long_prompt: str

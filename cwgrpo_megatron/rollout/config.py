@@ -6,6 +6,8 @@ from cwgrpo_megatron.common.settings import check_choice, check_range
 from cwgrpo_megatron.rollout.names import LONG_PROMPT_POLICIES, ROLLOUT_BACKENDS
 
 DTYPE_NAMES = ("float32", "bfloat16")
+SLEEP_LEVELS = (0, 1, 2)
+WEIGHT_SYNC_PATHS = ("ipc", "shm")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -32,8 +34,12 @@ class RolloutConfig:
     """vLLM KV cache on CPU, MiB (on GPU gpu_memory_utilization applies)."""
     gpu_memory_utilization: float = 0.5
     """vLLM's share of GPU memory when colocated with training."""
-    enable_sleep_mode: bool = True
-    """Free vLLM's KV cache and weights during training (GPU only; a no-op on CPU)."""
+    sleep_level: int | None = None
+    """What each engine frees on its GPUs while the trainer works (docs/design.md, section
+    4): 2 its weights and KV cache (the weights are synced again before the next rollouts),
+    1 its KV cache, its weights kept in host memory, 0 nothing (it never sleeps). None: 2 on
+    GPUs, 0 on CPU, where vLLM has no sleep mode (a level above 0 is then traced by
+    run.trace_engine but frees nothing)."""
     enforce_eager: bool | None = None
     """Run vLLM eagerly (true), or compile the model (false: torch.compile, and CUDA graphs on
     a GPU). None: compiled on a GPU, where CUDA graphs are vLLM's default and decoding is
@@ -44,6 +50,11 @@ class RolloutConfig:
     shm_dir: str = "/dev/shm"
     """Where the vLLM engine's weight-sync buffer lives: a tmpfs with room for one copy of the
     model in the engine dtype, kept while the engine runs."""
+    weight_sync: str | None = None
+    """How the trainer's weights reach a vLLM engine: ipc (CUDA IPC on the engine's GPUs,
+    through vLLM's weight transfer; `weight_sync.ipc`) or shm (a buffer in shm_dir, through
+    host memory). None: ipc on GPUs, shm on CPU. An in-process engine on a GPU reads the
+    trainer's tensors directly either way."""
     replicas: int | str = "auto"
     """Engine replicas: auto (on GPUs one engine per `tp` consecutive GPUs of every node, so
     that every GPU generates; on CPU one per node), per_node (one engine on each node, as
@@ -59,6 +70,10 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS.names())
         check_choice("rollout.long_prompt", self.long_prompt, LONG_PROMPT_POLICIES)
+        if self.weight_sync is not None:
+            check_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNC_PATHS)
+        if self.sleep_level is not None:
+            check_choice("rollout.sleep_level", self.sleep_level, SLEEP_LEVELS)
         if self.dtype is not None:
             check_choice("rollout.dtype", self.dtype, DTYPE_NAMES)
         if not 0 < self.top_p <= 1:

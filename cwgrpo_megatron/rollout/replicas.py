@@ -104,9 +104,19 @@ class Replicas:
         count = len(self.groups)
         return range(replica * prompts // count, (replica + 1) * prompts // count)
 
+    def local_index(self, rank: int) -> int:
+        """`rank`'s place among its node's ranks: its LOCAL_RANK, and so its GPU."""
+        return [r for r, n in enumerate(self.nodes) if n == self.nodes[rank]].index(rank)
+
     def devices(self, replica: int) -> list[int]:
         """The local device indices (LOCAL_RANK) of the engine's `engine_tp` GPUs: the first
         ranks of its group, counted from the start of its node."""
-        first = self.groups[replica][0]
-        local = [r for r, n in enumerate(self.nodes) if n == self.nodes[first]].index(first)
+        local = self.local_index(self.groups[replica][0])
         return list(range(local, local + self.engine_tp))
+
+    def shares_gpu(self, rank: int) -> bool:
+        """Does an engine run on `rank`'s GPU?"""
+        node = self.nodes[rank]
+        used = {d for r in range(len(self.groups)) if self.nodes[self.groups[r][0]] == node
+                for d in self.devices(r)}  # fmt: skip
+        return self.local_index(rank) in used

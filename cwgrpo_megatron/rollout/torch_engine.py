@@ -166,10 +166,10 @@ class TorchEngine(EngineBase):
             params[name].copy_(tensor)
         self.version += 1
 
-    def sleep(self) -> None:
-        pass
+    def sleep(self, level: int) -> None:
+        pass  # a test and fallback engine: it keeps its model where it is
 
-    def wake(self) -> None:
+    def wake(self, tags: Sequence[str] | None = None) -> None:
         pass
 
     def shutdown(self) -> None:

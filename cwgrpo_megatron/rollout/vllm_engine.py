@@ -151,6 +151,7 @@ class VLLMEngine(EngineBase):
         enforce_eager: bool = True,
         shm_dir: str = "/dev/shm",
         devices: Sequence[int] | None = None,
+        weight_sync: str | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -188,6 +189,12 @@ class VLLMEngine(EngineBase):
             self._engine_args["gpu_memory_utilization"] = gpu_memory_utilization
         elif kv_cache_bytes is not None:
             self._engine_args["kv_cache_memory_bytes"] = kv_cache_bytes
+        self.ipc = _use_ipc(weight_sync, in_process=self.in_process)
+        """Weight updates arrive over CUDA IPC through vLLM's weight transfer
+        (`receive_ipc`, `weight_sync.ipc`); else through the /dev/shm buffer, or in one
+        process on a GPU as the trainer's own tensors."""
+        if self.ipc:
+            self._engine_args["weight_transfer_config"] = {"backend": "ipc"}
         self.sleep_mode = self._engine_args["enable_sleep_mode"]
         self._finalizer = None
         if enable_sleep_mode and not self.sleep_mode:
@@ -243,13 +250,16 @@ class VLLMEngine(EngineBase):
         self.llm, self._finalizer = None, None
         gc.collect()
 
-    def sleep(self) -> None:
-        if self.sleep_mode:
-            self.llm.sleep(level=1)
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep at `level` (1 or 2); nothing without sleep mode (on CPU). vLLM clears
+        its prefix cache here, and keeps the model's buffers (rotary tables) in host memory
+        at level 2, so the weight sync restores the whole model."""
+        if self.sleep_mode and level > 0:
+            self.llm.sleep(level=level)
 
-    def wake(self) -> None:
+    def wake(self, tags: Sequence[str] | None = None) -> None:
         if self.sleep_mode:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=None if tags is None else list(tags))
 
     # ---- sampling --------------------------------------------------------------------------
 
@@ -347,8 +357,18 @@ class VLLMEngine(EngineBase):
 
     @property
     def buffered(self) -> bool:
-        """Updates go through the shared-memory buffer (all but an in-process GPU engine)."""
+        """`update_weights` and the shared-memory path go through the buffer (all but an
+        in-process GPU engine, which reads the trainer's tensors themselves). An engine with
+        `ipc` has the buffer too, for syncs whose shards cross nodes."""
         return not (self.in_process and torch.cuda.is_available())
+
+    def receive_ipc(self, send) -> None:
+        """Load the weights that `send(llm)` transfers into this engine (`weight_sync.ipc`:
+        every rank of the job sends at once, this engine's owner with its `vllm.LLM`)."""
+        if not self.ipc:
+            raise RuntimeError("this engine was not started for IPC weight updates")
+        self._load(lambda: send(self.llm))
+        self.last_load = "ipc"
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         stream = checked_weights(weights, self.shapes)
@@ -392,6 +412,17 @@ class VLLMEngine(EngineBase):
         self.llm.reset_prefix_cache()
         self.version += 1
         return result
+
+
+def _use_ipc(weight_sync: str | None, *, in_process: bool) -> bool:
+    """rollout.weight_sync: ipc on GPUs with engine processes unless it says shm; an in-process
+    GPU engine reads the trainer's tensors directly, and CPU has no CUDA IPC."""
+    if weight_sync == "ipc" and (in_process or not torch.cuda.is_available()):
+        raise ValueError(
+            "rollout.weight_sync=ipc needs a GPU and engine processes: leave it unset (ipc on "
+            "GPUs, shm on CPU) or set shm"
+        )
+    return weight_sync != "shm" and not in_process and torch.cuda.is_available()
 
 
 def _global_rank() -> int:

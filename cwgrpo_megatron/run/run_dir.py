@@ -70,6 +70,10 @@ class RunDir:
         return self.root / "eval" / f"step_{step:08d}.json"
 
     @property
+    def engine_calls(self) -> Path:
+        return self.root / "engine_calls.jsonl"
+
+    @property
     def summary(self) -> Path:
         return self.root / "summary.txt"
 

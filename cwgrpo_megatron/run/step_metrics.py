@@ -56,7 +56,18 @@ LOSS_METRIC_NAMES = {
 }
 # parts of derived metrics, not worth a line of their own
 _UNLOGGED = {"cov_sq_mean", "weight_sq_mean"}
-PHASES = ("rollout", "reward", "old_logp", "train", "sync", "eval", "checkpoint", "step")
+PHASES = (
+    "rollout",
+    "sleep",
+    "reward",
+    "old_logp",
+    "train",
+    "wake",
+    "sync",
+    "eval",
+    "checkpoint",
+    "step",
+)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
-from cwgrpo_megatron.convert.mapping import megatron_shape, stage_params, to_hf
+from cwgrpo_megatron.convert.mapping import StageParam, megatron_shape, stage_params, to_hf
 from cwgrpo_megatron.dist.collectives import (
     Group,
     all_gather,
@@ -66,18 +66,31 @@ def hf_tensors(
     tp, pp = size_of(groups.tp), size_of(groups.pp)
     my_stage = rank_in(groups.pp)
     padded = padded_vocab_size(arch.vocab_size, tp=tp)
-    seen: set[str] = set()
+    for stage, item in export_items(arch, pp=pp, te_spec=groups.te_spec):
+        if stage == my_stage:
+            shard = params[item.megatron_name].detach().to(device=device, dtype=dtype)
+        else:
+            shape = megatron_shape(item.rule, arch, tp=tp, padded_vocab=padded)
+            shard = torch.empty(shape, dtype=dtype, device=device)
+        shard = broadcast_into(shard, global_rank(groups.pp, stage), groups.pp)
+        full = to_hf(item.rule, all_gather(shard, groups.tp), arch)
+        yield from zip(item.hf_names, full, strict=True)
+
+
+def export_items(arch: ModelArch, *, pp: int, te_spec: bool) -> list[tuple[int, StageParam]]:
+    """(stage, parameter) in the order `hf_tensors` yields them: stage by stage, a tied output
+    layer on the last stage left out (it repeats the embedding)."""
+    out, seen = [], set()
     for stage in range(pp):
-        for item in stage_params(arch, pp_rank=stage, pp=pp, te_spec=groups.te_spec):
-            if all(name in seen for name in item.hf_names):
-                continue  # a tied output layer on the last stage repeats the embedding
-            if stage == my_stage:
-                shard = params[item.megatron_name].detach().to(device=device, dtype=dtype)
-            else:
-                shape = megatron_shape(item.rule, arch, tp=tp, padded_vocab=padded)
-                shard = torch.empty(shape, dtype=dtype, device=device)
-            shard = broadcast_into(shard, global_rank(groups.pp, stage), groups.pp)
-            full = to_hf(item.rule, all_gather(shard, groups.tp), arch)
-            for name, tensor in zip(item.hf_names, full, strict=True):
-                seen.add(name)
-                yield name, tensor
+        for item in stage_params(arch, pp_rank=stage, pp=pp, te_spec=te_spec):
+            if not all(name in seen for name in item.hf_names):
+                out.append((stage, item))
+                seen.update(item.hf_names)
+    return out
+
+
+def export_names(arch: ModelArch, *, pp: int, te_spec: bool) -> list[str]:
+    """The HF names `hf_tensors` yields, in its order."""
+    return [
+        name for _, item in export_items(arch, pp=pp, te_spec=te_spec) for name in item.hf_names
+    ]

@@ -8,6 +8,8 @@ Two paths, chosen by the engine (`megatron.publish.sync_weights` asks it):
              `load_shared_weights()` loads it (in vLLM's worker: `weight_sync.vllm_worker`)
     stream   `update_weights(tensors)` takes the whole model as HF-named full tensors
              (`weight_sync.export`), for an engine without a buffer
+    ipc      `receive_ipc(send)`: vLLM engines on GPUs take the tensors every trainer rank
+             exports on its own GPU, over CUDA IPC (`weight_sync.ipc`)
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class WeightReceiver(Protocol):
     engine of another model)."""
     model_dir: str
     """The checkpoint the engine started from."""
+    ipc: bool
+    """Updates come through `receive_ipc`."""
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named full tensors (the whole model, streamed); bumps `version`."""
@@ -44,4 +48,9 @@ class WeightReceiver(Protocol):
     def load_shared_weights(self) -> None:
         """Load what the buffer holds now (every tensor must have been written); bumps
         `version`."""
+        ...
+
+    def receive_ipc(self, send) -> None:
+        """Load what `send(llm)` transfers over CUDA IPC (`weight_sync.ipc.send_ipc`, which
+        every rank runs at once); bumps `version`."""
         ...

@@ -107,7 +107,7 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
     from cwgrpo_megatron.dist.collectives import barrier, broadcast_object
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.publish import fill_buffers, hf_weights, sync_plan
+    from cwgrpo_megatron.megatron.publish import _ipc_source, fill_buffers, hf_weights, sync_plan
     from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.weight_sync import shm
 
@@ -133,21 +133,41 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
         fresh = shm.SharedWeights.from_message(buffer.to_message())._views()
         shared_equal = all(torch.equal(fresh[n], ckpt.get(n)) for n in ckpt.names())
         barrier(dist.group.WORLD)
-        return {"names": names, "streamed": streamed_equal, "shared": shared_equal}
+        # the GPU path's source, read as vLLM's IPC transfer reads it: its groups check that
+        # each tensor comes in the order metadata() declares; twice, as two syncs would
+        source = _ipc_source(actor.model, arch, "float32")
+        ipc_equal, declared = True, {m.name: m for m in source.metadata()}
+        for _ in range(2):
+            for group_names, tensors in source.iter_groups():
+                for name, tensor in zip(group_names, tensors, strict=True):
+                    meta = declared[name]
+                    ipc_equal &= (meta.dtype, meta.shape) == (tensor.dtype, tuple(tensor.shape))
+                    ipc_equal &= torch.equal(tensor, ckpt.get(name))
+        return {
+            "names": names,
+            "streamed": streamed_equal,
+            "shared": shared_equal,
+            "ipc_names": [m.name for m in source.metadata()],
+            "ipc": ipc_equal,
+        }
     finally:
         parallel.destroy()
         if rank == 0:
             shm.remove(buffer)
 
 
-def test_stream_and_shared_buffer_are_the_hf_checkpoint_bit_for_bit(hf_dir, tmp_path):
+def test_stream_shared_buffer_and_ipc_source_are_the_hf_checkpoint_bit_for_bit(hf_dir, tmp_path):
+    """TP2 x PP2: the streamed export, the shared buffer and the source the GPU path hands to
+    vLLM's IPC transfer (its order and shapes as declared, by vLLM's own check) all equal the
+    checkpoint on every rank."""
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
 
     out = run_distributed(_export, 4, hf_dir, 2, 2, str(tmp_path), timeout=180)
     expected = sorted(HFCheckpoint(hf_dir).names())
     for result in out:  # every rank of the TP x PP group gets the whole model
         assert sorted(result["names"]) == expected and len(result["names"]) == len(expected)
-        assert result["streamed"] and result["shared"]
+        assert result["streamed"] and result["shared"] and result["ipc"]
+        assert result["ipc_names"] == result["names"]
     assert list(tmp_path.iterdir()) == []
 
 

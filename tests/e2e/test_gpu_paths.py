@@ -41,14 +41,18 @@ def test_transformer_engine_spec_matches_hf(name):
 
 
 def _vllm_gpu_worker(rank, world, hf_dir):
-    from cwgrpo_megatron.checks.sync_check import run_check, start_engine
-    from cwgrpo_megatron.rollout import SamplingConfig
+    from cwgrpo_megatron.checks.sync_check import run_check
+    from cwgrpo_megatron.rollout import SamplingConfig, get_engine
 
     torch.cuda.set_device(0)
-    engine = start_engine("vllm", hf_dir, dtype="float32", max_model_len=128, seed=0)
+    engine = get_engine("vllm")(
+        hf_dir, dtype="float32", max_model_len=128, seed=0, enable_sleep_mode=True
+    )
     assert engine.sleep_mode, "sleep mode should be on with CUDA"
-    engine.sleep()  # frees KV cache and weights while the trainer runs
-    engine.wake()
+    # level 1 keeps the weights in host memory: the check's start gap is the fresh engine's
+    engine.sleep(1)
+    engine.wake(["weights"])
+    engine.wake(["kv_cache"])
     report = run_check(hf_dir=hf_dir, backend="vllm", rounds=2, engine=engine)
     groups = engine.generate([[5, 6, 7]], 2, SamplingConfig(max_tokens=4, seed=0))
     engine.shutdown()

@@ -1,6 +1,8 @@
 """Rollout engine replicas across two "nodes": two torchrun launches side by side on this
 machine (`--nnodes 2 --node-rank {0,1}`), each with 2 processes and one vLLM engine, against
-one launch of 4 processes (one node, one engine). Tiny random Qwen2, configs/tiny_cpu.yaml."""
+one launch of 4 processes (one node, one engine). Tiny random Qwen2, configs/tiny_cpu.yaml.
+Both trace their engines' calls at rollout.sleep_level=2 (traced on CPU, where it frees
+nothing), and evaluate after the last step: the two engines' evaluation equals the one's."""
 
 from __future__ import annotations
 
@@ -20,8 +22,15 @@ import pytest
 
 from cwgrpo_megatron.megatron.launch import free_port
 from tests.e2e.test_train import LAUNCHER, metrics, train_args, without_timings
+from tests.engine_calls import expected_calls, replica_calls
 
-ARGS = ("run.verify_sync=1", "train.total_steps=2")
+ARGS = (
+    "run.verify_sync=1",
+    "train.total_steps=2",
+    "run.trace_engine=true",
+    "rollout.sleep_level=2",
+)
+STEPS = expected_calls([1, 2], 2, eval_steps=[2])  # the last step evaluates
 
 
 def launch_nodes(
@@ -78,6 +87,9 @@ def one_node(tiny, tmp_path_factory) -> Path:
     ((code, log),) = launch_nodes(1, 4, train_args(tiny, out, "parallel.tp=2", *ARGS))
     assert code == 0, log
     assert "1 engine replicas" in log
+    # at TP2 x DP2 the one engine (rank 0's) sleeps after its rollouts, its weights wake for
+    # the sync, its KV cache after it; the evaluation comes when it is awake again
+    assert replica_calls(out / "engine_calls.jsonl", 0) == STEPS
     return out
 
 
@@ -88,6 +100,8 @@ def _two_nodes(tiny, out: Path, *extra: str) -> list[dict]:
     assert "2 engine replicas (owners: ranks 0, 2) on 2 nodes" in runs[0][1]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
+    for replica in (0, 1):  # each owner traces its own engine, into the one file
+        assert replica_calls(out / "engine_calls.jsonl", replica) == STEPS, replica
     # run.verify_sync=1: after every sync each replica's engine scores like the trainer
     assert all(r["sync/gap"] <= r["sync/tol"] == 1e-4 for r in rows), rows
     return rows
@@ -97,6 +111,12 @@ def _same_run(rows: list[dict], reference: Path, out: Path) -> None:
     """The same completions, step by step, and the same metrics as the one-node run."""
     for step in (1, 2):
         assert samples(out, step) == samples(reference, step), f"step {step}"
+    # the evaluation split over both engines: the same completions, scores and summary as one
+    # engine's (its seeds go with the problems)
+    ours, one = (
+        json.loads((run / "eval" / "step_00000002.json").read_text()) for run in (out, reference)
+    )
+    assert len(one["samples"]) == 16 and ours == one  # 8 held-out problems x 2
     expected = without_timings(metrics(reference))
     for ours, single in zip(without_timings(rows), expected, strict=True):
         assert ours.keys() == single.keys()

@@ -19,6 +19,7 @@ import pytest
 
 from cwgrpo_megatron.megatron.launch import free_port
 from tests.distributed.harness import run_tool
+from tests.engine_calls import expected_calls, replica_calls
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "examples" / "train_cwgrpo_7b.sh"
@@ -255,11 +256,20 @@ def test_sigkill_then_resume_writes_the_uninterrupted_metrics(
     where, count, left, tiny, vllm_run, tmp_path
 ):
     out = tmp_path / "run"
-    args = train_args(tiny, out, "run.verify_sync=1")
+    traced = ("run.verify_sync=1", "run.trace_engine=true", "rollout.sleep_level=2")
+    args = train_args(tiny, out, *traced)
     code, log = launch([sys.executable, str(KILL_SCRIPT), where, str(count), *args])
     assert code == -signal.SIGKILL, log
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == left
-    code, log = launch(python_train(tiny, out, "run.verify_sync=1", "run.resume=auto"))
+    killed = replica_calls(out / "engine_calls.jsonl", 0)
+    code, log = launch(python_train(tiny, out, *traced, "run.resume=auto"))
     assert code == 0, log
     assert "resumed from" in log and "at step 1" in log
     assert without_timings(metrics(out)) == without_timings(metrics(vllm_run))
+    # the engine's calls: the killed run's are the start of an uninterrupted run's (step 2's
+    # rollouts and sleep at least); the resumed run loads step 1's weights into its fresh
+    # engine, then runs steps 2 and 3 in the same order (step 3 evaluates)
+    whole = expected_calls([1, 2, 3], 2, eval_steps=[3])
+    assert len(killed) >= 7 and killed == whole[: len(killed)], killed
+    resumed = expected_calls([2, 3], 2, eval_steps=[3], resumed_at=1)
+    assert replica_calls(out / "engine_calls.jsonl", 0) == killed + resumed

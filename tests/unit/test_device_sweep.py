@@ -226,6 +226,45 @@ def test_vllm_compiles_by_default_on_a_gpu_and_stays_eager_on_cpu(setting, cuda,
     assert eager(RolloutConfig(enforce_eager=setting), cuda=cuda) is expected
 
 
+@pytest.mark.parametrize(
+    ("cuda", "expected"),
+    [(False, 0), (True, 2)],
+)
+def test_engines_sleep_by_default_on_a_gpu_and_not_on_cpu(cuda, expected):
+    from cwgrpo_megatron.rollout import RolloutConfig, engine_sleep_level
+
+    assert engine_sleep_level(RolloutConfig(), cuda=cuda) == expected
+    assert engine_sleep_level(RolloutConfig(sleep_level=1), cuda=cuda) == 1
+    with pytest.raises(ValueError, match="rollout.sleep_level=3 is not allowed.*0, 1, 2"):
+        RolloutConfig(sleep_level=3)
+
+
+@pytest.mark.parametrize(
+    ("setting", "cuda", "in_process", "expected"),
+    [
+        (None, True, False, True),  # engine processes on GPUs: CUDA IPC
+        ("shm", True, False, False),  # the host-memory buffer, on request
+        (None, True, True, False),  # in-process on a GPU: the trainer's own tensors
+        (None, False, False, False),  # CPU: the /dev/shm buffer
+        ("shm", False, False, False),
+    ],
+)
+def test_the_weight_sync_path_is_chosen_by_device(monkeypatch, setting, cuda, in_process, expected):
+    from cwgrpo_megatron.rollout.vllm_engine import _use_ipc
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert _use_ipc(setting, in_process=in_process) is expected
+
+
+@pytest.mark.parametrize(("cuda", "in_process"), [(False, False), (True, True)])
+def test_ipc_where_it_cannot_work_is_refused(monkeypatch, cuda, in_process):
+    from cwgrpo_megatron.rollout.vllm_engine import _use_ipc
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with pytest.raises(ValueError, match="rollout.weight_sync=ipc needs a GPU and engine proc"):
+        _use_ipc("ipc", in_process=in_process)
+
+
 def test_the_log_prob_chunk_is_chosen_by_device():
     """A GPU takes 16x larger chunks (each costs about ten kernel launches); the planner
     counts the GPU's."""

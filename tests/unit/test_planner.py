@@ -1,6 +1,9 @@
-"""The memory planner: model recipes, parameter counts, CLI errors and the layout search."""
+"""The memory planner: model recipes, parameter counts, CLI errors, the layout search, the
+phases of a step on an engine's GPU, and the recipes' header verdicts."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,8 +85,6 @@ def test_cli_refuses_impossible_layouts(capsys, overrides, message):
     code, out, err = _cli(capsys, "--config", "configs/qwen2p5_math_7b.yaml", *overrides)
     assert code == 2 and out == ""
     assert err.startswith("error: ")
-    import re
-
     assert re.search(message, err), err
 
 
@@ -102,6 +103,96 @@ def test_cli_json_has_the_promised_fields(capsys):
     assert g["grads"] / per_rank == pytest.approx(4, rel=1e-3)
     assert g["optimizer"] / per_rank == pytest.approx(6, rel=1e-3)
     assert g["peak"] == max(plan["phases"].values())
+    # the recipe's engines: one on every GPU (rollout.tp 1, replicas auto), asleep at level 2
+    assert plan["rollout"] == {"tp": 1, "engines_per_node": 8, "sleep_level": 2}
+    assert list(plan["phases"]) == ["rollout", "old_logp", "train", "wake"]
+    for phase, parts in plan["parts"].items():
+        assert sum(parts.values()) == plan["phases"][phase], phase
+
+
+def _plan(capsys, *overrides) -> dict:
+    code, out, _ = _cli(capsys, "--config", "configs/qwen2p5_math_7b.yaml", "--json", *overrides)
+    assert code in (0, 1)
+    return json.loads(out)
+
+
+def test_the_sleep_level_decides_what_the_engine_holds_in_each_phase(capsys):
+    asleep, awake = _plan(capsys), _plan(capsys, "rollout.sleep_level=0")
+    weights = asleep["vllm"]["weights"]
+    # rollout: the whole reservation either way
+    assert asleep["parts"]["rollout"] == awake["parts"]["rollout"]
+    engine = ("engine weights", "KV cache", "engine other")
+    for phase in ("old_logp", "train"):
+        held = {k: asleep["parts"][phase].get(k, 0) for k in engine}
+        assert held == {"engine weights": 0, "KV cache": 0, "engine other": 1 << 30}, phase
+        # at level 0 the engine keeps its reservation: the train phase no longer fits 80 GiB
+        gap = awake["phases"][phase] - asleep["phases"][phase]
+        assert gap == awake["per_gpu"]["vllm"] - (1 << 30)
+    assert not awake["per_gpu"]["fits"] and asleep["per_gpu"]["fits"]
+    # wake: the weights are back, the KV cache is not (the trainer's activations are gone)
+    wake = asleep["parts"]["wake"]
+    assert wake["engine weights"] == weights and "KV cache" not in wake
+    assert wake["activations"] == 0
+    assert (
+        asleep["phases"]["wake"]
+        == asleep["phases"]["old_logp"] - asleep["parts"]["old_logp"]["activations"] + weights
+    )
+    # level 1 frees the same GPU memory (its weights wait in host memory)
+    assert _plan(capsys, "rollout.sleep_level=1")["phases"] == asleep["phases"]
+
+
+def test_engines_follow_rollout_replicas(capsys):
+    def engines(*overrides):
+        plan = _plan(capsys, *overrides)
+        return plan["rollout"]["engines_per_node"], plan["vllm"]["kv_needed"]
+
+    every_gpu, kv_each = engines()
+    assert every_gpu == 8
+    assert engines("rollout.tp=2") == (4, kv_each)  # twice the sequences, half the KV heads
+    one, kv_one = engines("rollout.replicas=per_node")
+    assert one == 1 and kv_one == 8 * kv_each  # one engine samples all 144 sequences
+
+
+def test_plot_draws_every_phase(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plots" / "memory.png"
+    code, _, err = _cli(capsys, "--config", "configs/qwen2p5_math_7b.yaml", "--plot", str(out))
+    assert code == 0 and f"plot: {out}" in err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in out.parent.iterdir()] == ["memory.png"]  # no temporary left
+
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES_WITH_VERDICT = sorted(
+    p for p in (ROOT / "configs").glob("*.yaml") if "planner at" in p.read_text()
+)
+
+
+def test_the_gpu_recipes_state_their_verdict():
+    names = {p.stem for p in RECIPES_WITH_VERDICT}
+    assert names == {
+        "r1_distill_qwen_1p5b", "qwen2p5_math_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", RECIPES_WITH_VERDICT, ids=lambda p: p.stem)
+def test_each_recipe_header_is_its_plan(capsys, recipe):
+    """The header's command, run: its verdict and each phase's peak, to 0.1 GiB; and the
+    recipe sets rollout.tp itself, with a comment saying why."""
+    text = recipe.read_text()
+    command = re.search(r"^#\s+python tools/plan_memory.py (.+)$", text, re.M).group(1).split()
+    line = re.search(
+        r"^# planner at (\d+) GiB a GPU: (FITS|DOES NOT FIT), peak GiB (.+)$", text, re.M
+    )
+    said = {phase: float(v) for v, phase in re.findall(r"([\d.]+) \((\w+)\)", line.group(3))}
+    code, out, _ = _cli(capsys, *command, "--json", "--gpu-gib", line.group(1))
+    plan = json.loads(out)
+    assert {k: round(v / planner.GiB, 1) for k, v in plan["phases"].items()} == said
+    assert plan["per_gpu"]["fits"] == (line.group(2) == "FITS") == (code == 0)
+    rollout = text[text.index("\nrollout:") :]
+    assert re.search(rf"^  tp: {plan['rollout']['tp']} +# \w", rollout, re.M), (
+        "rollout.tp unexplained"
+    )
 
 
 def test_text_report_reads_the_verdict(capsys):
@@ -111,6 +202,8 @@ def test_text_report_reads_the_verdict(capsys):
     assert "DOES NOT FIT" in out and "do not fit its reservation" in out
     code, out, _ = _cli(capsys, *config, "--rollout-tp", "8")
     assert code == 0 and "verdict: FITS" in out
+    assert "1 engine(s)" not in out and "8 engine(s)" in out and "asleep (level 2) 1.00" in out
+    assert re.search(r"^  wake +\d", out, re.M)
     assert _cli(capsys, *config)[0] == 0  # the config's own rollout.tp: 8
 
 

@@ -80,6 +80,17 @@ def test_auto_puts_an_engine_on_every_engine_tp_gpus_of_every_node(nodes, engine
     assert sorted(r for g in replicas.groups for r in g) == list(range(8 * nodes))
 
 
+def test_the_ranks_on_an_engines_gpus_are_the_ones_that_release_cached_blocks():
+    two_nodes = [0] * 4 + [1] * 4
+    auto = Replicas.place(two_nodes, "auto", engine_tp=2, cuda=True)
+    assert all(auto.shares_gpu(rank) for rank in range(8))  # every GPU hosts an engine
+    # one engine per node at TP2: its GPUs are local 0 and 1 of each node
+    per_node = Replicas.place(two_nodes, "per_node", engine_tp=2, cuda=True)
+    assert [per_node.shares_gpu(rank) for rank in range(8)] == [True, True, False, False] * 2
+    one = Replicas.place(two_nodes, 1, engine_tp=1, cuda=True)  # on rank 0's GPU alone
+    assert [one.shares_gpu(rank) for rank in range(8)] == [True] + [False] * 7
+
+
 def test_auto_on_cpu_is_one_engine_a_node_and_an_uneven_gpu_split_is_an_error():
     ranks = [0, 0, 1, 1]
     assert Replicas.place(ranks, "auto") == Replicas.place(ranks, "per_node")

@@ -1,0 +1,74 @@
+"""The engine's calls, one JSON line each, in the run folder (`run.trace_engine`).
+
+    {"step": k, "replica": r, "call": "generate" | "sleep" | "wake" | "load",
+     "level": L (sleep; else null), "tags": [...] (wake; else null)}
+
+`load` is a weight sync into the engine (`update_weights`, `load_shared_weights` or
+`receive_ipc`); `step` is
+the training step the call belongs to (0 before the first). On CPU, where sleeping frees
+nothing, the trace is how the order of a step's calls (docs/design.md, section 4) is proven.
+
+Each replica's owner appends to the same `engine_calls.jsonl`: one `os.write` of one line on a
+file opened with O_APPEND, so lines of different owners do not interleave on a local file
+system (on a shared one across nodes, each node's lines stay whole on NFS v4 and Lustre).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class TracedEngine:
+    """`engine` whose generate, sleep, wake and loads are appended to `path` before they run;
+    every other attribute is the engine's own."""
+
+    def __init__(self, engine, path: str | os.PathLike, *, replica: int, step: int = 0) -> None:
+        self.engine = engine
+        self.path = Path(path)
+        self.replica = replica
+        self.step = step
+        """The step the next calls belong to (`Rollouts.at_step`)."""
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def _write(self, call: str, *, level: int | None = None, tags=None) -> None:
+        record = {"step": self.step, "replica": self.replica, "call": call}
+        record |= {"level": level, "tags": None if tags is None else list(tags)}
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def generate(self, *args, **kwargs):
+        self._write("generate")
+        return self.engine.generate(*args, **kwargs)
+
+    def sleep(self, level: int) -> None:
+        self._write("sleep", level=level)
+        self.engine.sleep(level)
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        self._write("wake", tags=("weights", "kv_cache") if tags is None else tags)
+        self.engine.wake(tags)
+
+    def update_weights(self, weights) -> None:
+        self._write("load")
+        self.engine.update_weights(weights)
+
+    def load_shared_weights(self) -> None:
+        self._write("load")
+        self.engine.load_shared_weights()
+
+    def receive_ipc(self, send) -> None:
+        self._write("load")
+        self.engine.receive_ipc(send)
+
+
+def read_calls(path: str | os.PathLike) -> list[dict]:
+    """The records of an `engine_calls.jsonl`, in the order they were written."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
