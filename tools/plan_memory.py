@@ -104,6 +104,7 @@ KIND_COLOURS = {
     "engine weights": "#dd8452",
     "KV cache": "#ccb974",
     "engine other": "#937860",
+    "sync buffers": "#da8bc3",
     "reserve": "#8c8c8c",
 }
 

@@ -40,7 +40,8 @@ RESERVE (CUDA context, NCCL, allocator fragmentation):
     old_logp  state + reference + vLLM asleep + one forward's working set
     train     state + reference + vLLM asleep + activations in flight + backward working set
     wake      state + reference + vLLM asleep + its weights (woken for the sync; the KV
-              cache wakes after it, when the trainer's activations are gone)
+              cache wakes after it, when the trainer's activations are gone) + what the
+              sync itself holds (`sync_bytes`)
 
 vLLM asleep is SLEEP_RESIDUAL at rollout.sleep_level 1 or 2 (level 1 moves the weights to host
 memory, level 2 drops them), its whole reservation at level 0. The run fits when the largest
@@ -72,6 +73,10 @@ SLEEP_RESIDUAL = 1 * GiB
 """What a sleeping vLLM keeps per GPU (its CUDA graphs and context; an estimate)."""
 VLLM_WORKSPACE = 1 * GiB
 """vLLM's activation workspace inside its reservation (it profiles one max-size batch)."""
+IPC_BUFFER_BYTES = 1 * GiB
+"""`weight_sync.ipc.BUFFER_BYTES`: the least size of vLLM's packed IPC buffer."""
+SYNC_BUCKET_BYTES = 256 << 20
+"""`megatron.publish.TRANSFER_BUCKET_BYTES`: shards in flight between nodes during a sync."""
 LOSS_BYTES_PER_TOKEN = 36
 """What the policy loss keeps for backward per token (its [b, s] ratios, masks and KL terms):
 measured for cw_grpo with the KL term; the other losses keep about as much."""
@@ -393,6 +398,18 @@ def vllm_bytes(
     )
 
 
+def sync_bytes(arch: ModelArch, *, dtype: str, pp: int, nodes: int) -> int:
+    """What the weight sync itself holds on a GPU at its peak. CUDA IPC (when every node holds
+    every pipeline stage: one node, or pp = 1) packs the model into vLLM's buffer (at least
+    IPC_BUFFER_BYTES, at least the largest HF tensor) while the export materialises one tensor;
+    the shared-memory path keeps at most a bucket of shards in flight between nodes."""
+    if pp == 1 or nodes == 1:
+        e = DTYPE_BYTES[dtype]
+        largest = arch.hidden_size * max(arch.vocab_size, arch.ffn_hidden_size) * e
+        return max(IPC_BUFFER_BYTES, largest) + largest
+    return SYNC_BUCKET_BYTES
+
+
 # ---- the plan --------------------------------------------------------------------------------
 
 
@@ -504,7 +521,8 @@ class Plan:
     """That stage, per phase."""
     parts: dict[str, dict[str, int]] = field(default_factory=dict)
     """Each phase's bytes by kind (parameters, gradients, optimizer, reference model,
-    activations, engine weights, KV cache, engine other, reserve); they add up to `phases`."""
+    activations, engine weights, KV cache, engine other, sync buffers, reserve); they add up to
+    `phases`."""
 
     @property
     def peak(self) -> int:
@@ -663,6 +681,10 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
             phase: resident | {"activations": activations.get(phase, 0)} | vllm.parts(phase)
             for phase in PHASES
         }
+        if vllm.reserved:
+            parts["wake"]["sync buffers"] = sync_bytes(
+                arch, dtype=setting.engine_dtype, pp=pp, nodes=cluster.nodes
+            )
         phases = {phase: sum(kinds.values()) for phase, kinds in parts.items()}
         stages.append(_Stage(stage, state, ref, train_act, act.forward_working, phases, parts))
     # every figure is that of its own most-loaded stage (train: the first, by 1F1B's in-flight

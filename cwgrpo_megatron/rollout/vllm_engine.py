@@ -187,8 +187,14 @@ class VLLMEngine(EngineBase):
         )
         if torch.cuda.is_available():
             self._engine_args["gpu_memory_utilization"] = gpu_memory_utilization
-        elif kv_cache_bytes is not None:
-            self._engine_args["kv_cache_memory_bytes"] = kv_cache_bytes
+        else:
+            # vLLM rewinds a seeded request's generator when a step splits its prompt's prefill,
+            # and a CPU generator has no offset to rewind ("CPU Generator does not use
+            # offset"): on CPU each prompt is prefilled in one step
+            self._engine_args["enable_chunked_prefill"] = False
+            self._engine_args["max_num_batched_tokens"] = max(max_model_len, 4096)
+            if kv_cache_bytes is not None:
+                self._engine_args["kv_cache_memory_bytes"] = kv_cache_bytes
         self.ipc = _use_ipc(weight_sync, in_process=self.in_process)
         """Weight updates arrive over CUDA IPC through vLLM's weight transfer
         (`receive_ipc`, `weight_sync.ipc`); else through the /dev/shm buffer, or in one

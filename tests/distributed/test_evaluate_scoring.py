@@ -18,7 +18,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, texts):
         self.tokenizer, self.texts = tokenizer, texts
 
-    def generate(self, prompts, n, sampling):
+    def generate(self, prompts, n, sampling, *, seeds=None):
         groups = []
         for i, prompt in enumerate(prompts):
             ids = [self.tokenizer(t)["input_ids"] for t in self.texts[i][:n]]

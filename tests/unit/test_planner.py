@@ -129,16 +129,29 @@ def test_the_sleep_level_decides_what_the_engine_holds_in_each_phase(capsys):
         gap = awake["phases"][phase] - asleep["phases"][phase]
         assert gap == awake["per_gpu"]["vllm"] - (1 << 30)
     assert not awake["per_gpu"]["fits"] and asleep["per_gpu"]["fits"]
-    # wake: the weights are back, the KV cache is not (the trainer's activations are gone)
+    # wake: the weights are back, the KV cache is not (the trainer's activations are gone);
+    # the IPC sync packs into a 1 GiB buffer while the export holds one tensor (the embedding)
     wake = asleep["parts"]["wake"]
     assert wake["engine weights"] == weights and "KV cache" not in wake
     assert wake["activations"] == 0
-    assert (
-        asleep["phases"]["wake"]
-        == asleep["phases"]["old_logp"] - asleep["parts"]["old_logp"]["activations"] + weights
+    embedding = 152_064 * 3_584 * 2
+    assert wake["sync buffers"] == max(1 << 30, embedding) + embedding
+    old_logp = asleep["parts"]["old_logp"]
+    assert asleep["phases"]["wake"] == (
+        asleep["phases"]["old_logp"] - old_logp["activations"] + weights + wake["sync buffers"]
     )
     # level 1 frees the same GPU memory (its weights wait in host memory)
     assert _plan(capsys, "rollout.sleep_level=1")["phases"] == asleep["phases"]
+
+
+def test_the_planners_sync_sizes_are_the_syncs_own():
+    from cwgrpo_megatron.megatron.publish import TRANSFER_BUCKET_BYTES
+    from cwgrpo_megatron.weight_sync.ipc import BUFFER_BYTES
+
+    assert planner.IPC_BUFFER_BYTES == BUFFER_BYTES
+    assert planner.SYNC_BUCKET_BYTES == TRANSFER_BUCKET_BYTES
+    arch = ModelArch.recipe("qwen2p5_72b")  # stages on other nodes: the shm path's bucket
+    assert planner.sync_bytes(arch, dtype="bfloat16", pp=4, nodes=8) == TRANSFER_BUCKET_BYTES
 
 
 def test_engines_follow_rollout_replicas(capsys):
