@@ -4,8 +4,21 @@ Deliberately naive (boolean indexing, no pooling machinery, no shifts) so that t
 code with the implementation under test.
 """
 
+from fractions import Fraction
+
 import torch
 from torch import Tensor
+
+
+def centred_exactly(x: Tensor) -> Tensor:
+    """x - mean(x) in rational arithmetic, rounded once to float64; a value within the rule of
+    `algo.covariance` (|x - x_bar| <= 2 N eps |x_bar|, float64's eps) counts as 0."""
+    values = [Fraction(v) for v in x.tolist()]
+    mean = sum(values) / len(values)
+    floor = 2 * len(values) * Fraction(torch.finfo(torch.float64).eps) * abs(mean)
+    return torch.tensor(
+        [0.0 if abs(v - mean) <= floor else float(v - mean) for v in values], dtype=torch.float64
+    )
 
 
 def ref_weights(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
@@ -14,8 +27,7 @@ def ref_weights(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
     out = torch.zeros(mask.shape, dtype=torch.float64)
     if sel.sum() == 0:
         return out
-    lv, av = logp.double()[sel], adv.double()[sel]
-    c = (lv - lv.mean()) * (av - av.mean())
+    c = centred_exactly(logp.double()[sel]) * centred_exactly(adv.double()[sel])
     sigma = c.std(correction=0)
     w = torch.ones_like(c) if sigma == 0 else torch.exp(-(c**2) / (2 * sigma**2))
     out[sel] = w * c.numel() / w.sum()

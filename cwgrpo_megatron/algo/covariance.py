@@ -7,6 +7,10 @@ Over a scope S of tokens (see `scope.py`), with token mask m, log-prob l and adv
     c_it   = (l_it - l_bar) * (A_it - A_bar)
     sigma  = population std of c over S
     w_it   = exp(-c_it^2 / (2 sigma^2))          (w = 1 when sigma == 0)
+
+A centred value within the mean's rounding, |x - x_bar| <= 2 N eps |x_bar| with float64's eps,
+counts as 0: a pool whose advantages (or log-probs) are all equal has c = 0 and w = 1, as in
+exact arithmetic (`_centred`).
     w~_it  = w_it * N / sum_S m*w                (mean one over S; a constant, no gradient)
 
 Communication: exactly three `scope.reduce_sum` calls, each of at most 3 scalars per pool:
@@ -68,9 +72,7 @@ def centred_covariance(logp: Tensor, adv: Tensor, mask: Tensor, scope: Scope) ->
     safe_count = count.clamp(min=1.0)
     logp_mean = first[:, 1] / safe_count
     adv_mean = first[:, 2] / safe_count
-    cov = (logp - scope.per_token(logp_mean).to(dtype)) * (
-        adv - scope.per_token(adv_mean).to(dtype)
-    )
+    cov = _centred(logp, logp_mean, count, scope) * _centred(adv, adv_mean, count, scope)
     cov.mul_(m)
     cov_sq = cov.square()
     second_local = scope.local_sums(cov, cov_sq)
@@ -81,6 +83,16 @@ def centred_covariance(logp: Tensor, adv: Tensor, mask: Tensor, scope: Scope) ->
     return CovarianceStats(
         count, logp_mean, adv_mean, cov, cov_sq, cov_mean, cov_var.sqrt(), local_sums
     )
+
+
+def _centred(x: Tensor, mean: Tensor, count: Tensor, scope: Scope) -> Tensor:
+    """x - x_bar, with differences within the mean's rounding (|x - x_bar| <= 2 N eps |x_bar|,
+    eps of float64, where the sums are taken) set to 0: a pool of equal advantages (or equal
+    log-probs) has c = 0 exactly, and rounding would otherwise make c a scaled copy of the other
+    factor, and the kernel a Gaussian of it instead of w = 1."""
+    floor = scope.per_token(2 * count * torch.finfo(torch.float64).eps * mean.abs()).to(x.dtype)
+    centred = x - scope.per_token(mean).to(x.dtype)
+    return centred.masked_fill_(centred.abs() <= floor, 0.0)
 
 
 def kernel_weights(stats: CovarianceStats, mask: Tensor, scope: Scope) -> Tensor:

@@ -20,7 +20,8 @@ local layer spec (the CPU path: scores and probabilities of [b, a, s, s] are kep
 and values are expanded to every head); it equals the sum of `saved_tensors_hooks` to the byte
 at recompute none, selective and full (with the cw_grpo loss). spec "te" is the Transformer
 Engine spec on GPU (fused attention keeps q, k, v, the output and the log-sum-exp, no s^2
-term); it is derived, not measured here. Recompute: selective keeps the inputs of core
+term, and at tp > 1 sequence parallelism keeps the norms' tensors over s / tp of the
+sequence); it is derived, not measured here. Recompute: selective keeps the inputs of core
 attention instead of its internals; full keeps each chunk's input hidden state [s, b, h] and
 rebuilds one chunk at a time in backward. 1F1B keeps min(pp - stage, micro-batches)
 micro-batches in flight on a stage.
@@ -258,8 +259,10 @@ def layer_saved_bytes(
     a = arch.num_heads // tp
     q, kv = a * hd, max(1, arch.num_kv_heads // tp) * hd
     if spec == "te":
-        # TE: LayerNormLinear keeps x, its normalised copy and fp32 rstd, for both norms
-        norms = 2 * (2 * n * h * e + 4 * n)
+        # TE: LayerNormLinear keeps x, its normalised copy and fp32 rstd, for both norms; at
+        # tp > 1 the trainer turns sequence parallelism on (`megatron.model.fusion_settings`),
+        # so each holds s / tp of the sequence (TE gathers the normalised copy again in backward)
+        norms = 2 * (2 * n * h * e + 4 * n) // tp
         attn = (2 * q + 2 * kv) * n * e + 4 * a * n  # q, out, k, v; fp32 log-sum-exp
         attn += q * n * e  # linear_proj's input
         mlp = 3 * n * arch.ffn_hidden_size // tp * e  # fc1 out (2f), swiglu out (f)
@@ -317,8 +320,12 @@ def activation_bytes(
     if stage == 0:
         saved += 8 * n  # token ids
     if stage == pp - 1:
-        # the final norm keeps what a layer's norm keeps (TE: its input and output, and rstd)
-        saved += (2 * n * h * e if spec == "te" else 2 * n * h * 4 + n * h * e) + 4 * n
+        # the final norm keeps what a layer's norm keeps (TE: its input and output, and rstd,
+        # over s / tp of the sequence)
+        if spec == "te":
+            saved += (2 * n * h * e + 4 * n) // tp
+        else:
+            saved += 2 * n * h * 4 + n * h * e + 4 * n
         saved += n * vocab * e  # logits [b, s, V/tp], kept by the log-prob function
         saved += n * (8 + 1 + 4 + 4)  # target ids, in-shard mask, log-normaliser, entropy
         if loss:

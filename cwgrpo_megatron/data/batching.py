@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from cwgrpo_megatron.algo.advantages import broadcast_to_tokens, group_advantages
@@ -68,17 +69,26 @@ class TrainBatch:
         return [self.select(slice(i * size, (i + 1) * size)) for i in range(parts)]
 
     def micro_batches(
-        self, *, size: int | None = None, max_tokens: int | None = None
+        self, *, size: int | None = None, max_tokens: int | None = None, multiple: int = 1
     ) -> list[MicroBatch]:
         """How this shard is cut for the forward and backward passes: consecutive blocks of
-        `size` rows at the full length s, or, with `max_tokens`, `pack_rows` of the lengths."""
+        `size` rows at the full length s, or, with `max_tokens`, `pack_rows` of the lengths,
+        each padded to a multiple of `multiple` tokens (`padded_to` the shard first)."""
         if max_tokens is not None:
-            return pack_rows(self.lengths, max_tokens)
+            return pack_rows(self.lengths, max_tokens, multiple=multiple)
         if size is None or self.rows % size:
             raise ValueError(f"{self.rows} rows are not a multiple of micro_batch_size={size}")
         s = self.tokens.shape[1]
         rows = torch.arange(self.rows, device=self.tokens.device)
         return [MicroBatch(rows=r, length=s) for r in rows.split(size)]
+
+    def padded_to(self, multiple: int) -> TrainBatch:
+        """Per-token fields right-padded with zeros to a multiple of `multiple` tokens (padding
+        is masked out, and causal attention keeps it from earlier positions)."""
+        extra = -self.tokens.shape[1] % multiple
+        if not extra:
+            return self
+        return self._map(lambda t: F.pad(t, (0, extra)) if t.dim() == 2 else t)
 
     def gather(self, micro: MicroBatch) -> TrainBatch:
         """The rows of `micro`, cut to its length: `[m, length]` per-token fields."""
@@ -110,11 +120,12 @@ class MicroBatch:
         return self.rows.numel() * self.length
 
 
-def pack_rows(lengths: Tensor, max_tokens: int) -> list[MicroBatch]:
+def pack_rows(lengths: Tensor, max_tokens: int, *, multiple: int = 1) -> list[MicroBatch]:
     """Greedy token-budget packing: rows sorted by length, longest first (ties by position),
     each micro-batch takes the next rows while rows x its first (longest) length stays within
     `max_tokens`. Every statistic and normaliser of the step is global, so how rows are packed
-    changes no number, only the padding: a micro-batch is padded to its own longest row."""
+    changes no number, only the padding: a micro-batch is padded to its own longest row,
+    rounded up to a multiple of `multiple` (sequence parallelism)."""
     if lengths.numel() == 0:
         return []
     longest = int(lengths.max())
@@ -127,8 +138,8 @@ def pack_rows(lengths: Tensor, max_tokens: int) -> list[MicroBatch]:
     sizes = lengths[order].tolist()
     out, start = [], 0
     while start < len(sizes):
-        length = sizes[start]
-        end = min(len(sizes), start + max_tokens // length)
+        length = -(-sizes[start] // multiple) * multiple
+        end = min(len(sizes), start + max(1, max_tokens // length))
         out.append(MicroBatch(rows=order[start:end], length=length))
         start = end
     return out

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from cwgrpo_megatron.megatron.cpu import on_cpu
+from cwgrpo_megatron.megatron.model import sequence_multiple
 
 
 def forward_only(
@@ -58,5 +60,8 @@ def forward_logits(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
     mbs = micro_batch_size or tokens.shape[0]
     if tokens.shape[0] % mbs:
         raise ValueError(f"batch of {tokens.shape[0]} rows does not split into {mbs}-row parts")
-    out = forward_only(model, list(tokens.split(mbs)), lambda logits, _: logits)
+    # sequence parallelism splits the sequence over the TP ranks: pad it, then cut the logits
+    length = tokens.shape[1]
+    padded = F.pad(tokens, (0, -length % sequence_multiple(model)))
+    out = forward_only(model, list(padded.split(mbs)), lambda logits, _: logits[:, :length])
     return None if out is None else torch.cat(out, dim=0)

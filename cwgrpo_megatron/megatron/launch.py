@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import socket
 
@@ -20,10 +21,15 @@ def free_port() -> int:
 def init_distributed(*, timeout_s: int = 1800) -> None:
     """Initialise torch.distributed from torchrun's environment, or as a world of one.
 
-    Backend: nccl with CUDA, gloo otherwise.
+    Backend: nccl with CUDA, gloo otherwise. With CUDA and Transformer Engine,
+    CUDA_DEVICE_MAX_CONNECTIONS=1 unless set (sequence parallelism needs it).
     """
     if dist.is_initialized():
         return
+    if torch.cuda.is_available() and importlib.util.find_spec("transformer_engine"):
+        # sequence parallelism (`model.fusion_settings`) orders each TP collective before the
+        # GEMM that needs it only with one hardware queue; it must be set before CUDA starts
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:

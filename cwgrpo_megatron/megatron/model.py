@@ -32,17 +32,33 @@ def use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def fusion_settings(*, te: bool) -> dict[str, bool]:
-    """Megatron's kernel fusions: on with Transformer Engine's layers (which needs a GPU), off
-    with the local spec, where the torch layers have none of them.
+def fusion_settings(*, te: bool, tp: int = 1) -> dict[str, bool]:
+    """Megatron's kernel fusions and sequence parallelism: on with Transformer Engine's layers
+    (which needs a GPU), off with the local spec, where the torch layers have none of them.
 
     - bias_activation_fusion: SwiGLU in one kernel, so a layer keeps fc1's output alone for the
       backward pass (`analysis.planner`: 3 x [n, f/tp] per layer instead of 5);
     - apply_rope_fusion: TE's fused rotary embedding;
     - gradient_accumulation_fusion: TE adds each micro-batch's weight gradient straight into
-      the fp32 `main_grad`; without it the gradient is rounded to bf16 first.
+      the fp32 `main_grad`; without it the gradient is rounded to bf16 first;
+    - sequence_parallel (tp > 1): the norms and the residual stream hold s/tp of the sequence
+      and TP's all-reduces become all-gathers and reduce-scatters; micro-batches are padded to
+      a multiple of tp (`sequence_multiple`). Megatron's torch norms refuse it.
     """
-    return dict(bias_activation_fusion=te, apply_rope_fusion=te, gradient_accumulation_fusion=te)
+    sp = te and tp > 1
+    return dict(
+        bias_activation_fusion=te,
+        apply_rope_fusion=te,
+        gradient_accumulation_fusion=te,
+        sequence_parallel=sp,
+    )
+
+
+def sequence_multiple(model) -> int:
+    """The multiple of tokens a sequence must have for `model`: tp under sequence parallelism
+    (the sequence is split over the TP ranks), else 1."""
+    config = unwrap(model).config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
 def transformer_config(
@@ -70,7 +86,7 @@ def transformer_config(
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         persist_layer_norm=False,
-        **fusion_settings(te=use_transformer_engine()),
+        **fusion_settings(te=use_transformer_engine(), tp=tp),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

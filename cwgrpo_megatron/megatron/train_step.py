@@ -59,7 +59,7 @@ from cwgrpo_megatron.dist import (
 )
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.forward import forward_only
-from cwgrpo_megatron.megatron.model import DTYPES, build_model
+from cwgrpo_megatron.megatron.model import DTYPES, build_model, sequence_multiple
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,9 @@ class Actor:
     ref_model: object | None = None
     step: int = 0
     skipped_steps: int = 0
+    sequence_multiple: int = 1
+    """Micro-batches are padded to a multiple of this many tokens (`model.sequence_multiple`:
+    tp under sequence parallelism)."""
 
 
 @dataclass
@@ -160,7 +163,17 @@ def build_actor(
         wd_incr_steps=total,
         wd_incr_style="constant",
     )
-    return Actor(train, algo, optim, arch, ddp, optimizer, scheduler, ref_model)
+    return Actor(
+        train,
+        algo,
+        optim,
+        arch,
+        ddp,
+        optimizer,
+        scheduler,
+        ref_model,
+        sequence_multiple=sequence_multiple(ddp),
+    )
 
 
 def _optimizer_config(o: OptimConfig, params_dtype: str) -> OptimizerConfig:
@@ -195,10 +208,12 @@ def label_logprobs(logits, labels, *, temperature: float, arch: ModelArch):
     )
 
 
-def micro_batches(local: TrainBatch, t: TrainConfig) -> list[MicroBatch]:
+def micro_batches(local: TrainBatch, t: TrainConfig, *, multiple: int = 1) -> list[MicroBatch]:
     """This shard's micro-batches: blocks of train.micro_batch_size rows, or rows packed up to
-    train.max_tokens_per_micro_batch tokens."""
-    return local.micro_batches(size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch)
+    train.max_tokens_per_micro_batch tokens; lengths a multiple of `multiple`."""
+    return local.micro_batches(
+        size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch, multiple=multiple
+    )
 
 
 def logprobs(model, local: TrainBatch, plan: list[MicroBatch], *, temperature: float, arch):
@@ -321,8 +336,13 @@ def train_step(
     rollout = rollout.to(device())
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    mini_batches = [m.shard(dp_rank, dp_size) for m in rollout.split(actor.train.ppo_mini_batches)]
-    plans = [micro_batches(m, actor.train) for m in mini_batches]
+    # sequence parallelism splits each micro-batch's sequence over the TP ranks
+    multiple = actor.sequence_multiple
+    mini_batches = [
+        m.shard(dp_rank, dp_size).padded_to(multiple)
+        for m in rollout.split(actor.train.ppo_mini_batches)
+    ]
+    plans = [micro_batches(m, actor.train, multiple=multiple) for m in mini_batches]
     score = partial(logprobs, temperature=actor.train.temperature, arch=actor.arch)
     # l_old of every mini-batch comes from the policy before this rollout's first update
     with timer("old_logp"):

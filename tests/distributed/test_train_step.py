@@ -318,3 +318,40 @@ def test_token_budget_micro_batches_give_the_same_step():
         assert_same(got, ref, 1e-5, f"token budget {name}")
         assert all(g < r for g, r in zip(got["padded_tokens"], ref["padded_tokens"], strict=True))
     assert ref["padded_tokens"] == [16 * 16, 16 * 16]
+
+
+def _padded_step(rank, world, multiple, budget):
+    from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
+    from cwgrpo_megatron.data.batching import synthetic_batch
+    from cwgrpo_megatron.megatron import parallel
+    from cwgrpo_megatron.megatron.train_step import param_checksum, train_step
+
+    overrides = ["algo.policy_loss=cw_grpo", *(BUDGET if budget else [])]
+    cfg = layout_config(
+        tp=2, pp=1, micro_batches=2, global_batch=16, group_size=4, steps=1, world_size=world,
+        overrides=overrides,
+    )  # fmt: skip
+    actor, arch = tiny_actor(cfg)
+    try:
+        # what sequence parallelism asks for (tp on a GPU with TE), forced here on CPU
+        actor.sequence_multiple = multiple
+        batch = synthetic_batch(prompts=4, group_size=4, seq_len=13, vocab_size=arch.vocab_size)
+        results = train_step(actor, batch)
+        steps = [(r.loss, r.grad_norm, r.padded_tokens) for r in results]
+        return steps, param_checksum(actor.model)
+    finally:
+        parallel.destroy()
+
+
+@pytest.mark.parametrize("budget", [False, True], ids=["fixed-rows", "token-budget"])
+def test_padding_micro_batches_for_sequence_parallelism_changes_nothing(budget):
+    """Sequence parallelism needs micro-batches of a multiple of tp tokens. The padding is
+    masked out: at TP2 a step padded to multiples of 4 gives the unpadded step's loss, gradient
+    norm and parameters, with more padded tokens, fixed-size or packed."""
+    (plain, plain_sum), _ = run_distributed(_padded_step, 2, 1, budget)
+    (padded, padded_sum), _ = run_distributed(_padded_step, 2, 4, budget)
+    for (loss, norm, tokens), (loss4, norm4, tokens4) in zip(plain, padded, strict=True):
+        assert loss4 == pytest.approx(loss, rel=1e-6, abs=1e-9)
+        assert norm4 == pytest.approx(norm, rel=1e-6)
+        assert tokens4 > tokens and tokens4 % 4 == 0
+    assert padded_sum == pytest.approx(plain_sum, rel=1e-6)

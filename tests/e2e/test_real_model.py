@@ -70,7 +70,8 @@ def check_weight_sync(smollm2, procs: int, *args: str) -> tuple[int, str]:
     return run_tool("check_weight_sync.py", procs, *argv)
 
 
-@pytest.mark.parametrize(("procs", "layout"), [(1, []), (2, ["--pp", "2"]), (3, ["--tp", "3"])])
+# TP1 on SmolLM2 is the demo run's sync check after every step (its SyncVerifier, the tool's)
+@pytest.mark.parametrize(("procs", "layout"), [(2, ["--pp", "2"]), (3, ["--tp", "3"])])
 def test_check_weight_sync_passes_smollm2(smollm2, procs, layout):
     code, log = check_weight_sync(smollm2, procs, *layout)
     assert code == 0, log

@@ -16,12 +16,32 @@ from cwgrpo_megatron.algo.scope import pools_from_index, single_pool
 from cwgrpo_megatron.dist import covariance_weights as dist_covariance_weights
 from cwgrpo_megatron.dist import group_scope, micro_batch_scope
 from cwgrpo_megatron.dist.scopes import LayoutDependentWarning
-from tests.reference import ref_group_advantages, ref_weights, ref_weights_pooled
+from tests.reference import (
+    centred_exactly,
+    ref_group_advantages,
+    ref_weights,
+    ref_weights_pooled,
+)
 
 
 def weights(logp, adv, mask):
     w, _ = covariance_weights(logp, adv, mask, single_pool(mask.shape[0]))
     return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_pool_of_equal_advantages_weighs_every_token_one(dtype):
+    """c = 0 in exact arithmetic when every counted advantage is equal (or every log-prob):
+    w = 1, though in float64 the mean of seven 0.6s is not 0.6 (the rounding once made the
+    kernel a Gaussian of the log-probs; found by the property test below)."""
+    logp = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0]], dtype=dtype)
+    mask = torch.tensor([[1.0] * 7 + [0.0]])
+    adv = torch.full((1, 8), 0.6, dtype=dtype) * mask
+    expected = torch.tensor([[1.0] * 7 + [0.0]])
+    assert torch.equal(weights(logp, adv, mask), expected)
+    same_logp = torch.full((1, 8), -0.3, dtype=dtype)
+    varied = torch.tensor([[0.1, -0.2, 0.3, 0.5, -0.7, 0.2, 0.4, 0.0]], dtype=dtype) * mask
+    assert torch.equal(weights(same_logp, varied, mask), expected)
 
 
 @pytest.mark.parametrize("std_normalize", [True, False], ids=["grpo", "dr_grpo"])
@@ -189,7 +209,7 @@ def test_property_mean_one_and_bounded(data, rows, cols):
     n = int(mask.sum())
     assume(n > 0)
     sel = mask > 0
-    c = (logp[sel] - logp[sel].mean()) * (adv[sel] - adv[sel].mean())
+    c = centred_exactly(logp[sel]) * centred_exactly(adv[sel])
     sigma = c.std(correction=0)
     # Positivity holds in real arithmetic; float64 represents it while c^2 / 2 sigma^2 < ~700.
     assume(sigma == 0 or bool(((c**2) / (2 * sigma**2)).max() < 600))

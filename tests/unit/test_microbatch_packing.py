@@ -45,3 +45,20 @@ def test_gather_cuts_rows_to_the_micro_batch_length():
             assert batch.loss_mask[row, m.length :].sum() == 0
             assert torch.equal(part.tokens[i], batch.tokens[row, : m.length])
     assert batch.micro_batches(size=4)[1].rows.tolist() == [4, 5, 6, 7]
+
+
+def test_sequence_parallel_padding_rounds_lengths_and_pads_with_masked_zeros():
+    plan = pack_rows(torch.tensor([5, 9, 3, 7]), 24, multiple=4)
+    assert [m.length for m in plan] == [12, 8]  # 9 -> 12 (rows 9, 7), then 5 -> 8 (5, 3)
+    assert sorted(int(r) for m in plan for r in m.rows) == [0, 1, 2, 3]
+    assert all(m.rows.numel() * m.length <= 24 for m in plan)
+    batch = synthetic_batch(prompts=2, group_size=2, seq_len=10, vocab_size=50, seed=1)
+    width = batch.tokens.shape[1]
+    padded = batch.padded_to(4)
+    assert padded.tokens.shape[1] == -(-width // 4) * 4 > width
+    for name in ("tokens", "labels", "loss_mask", "advantages"):
+        full = getattr(padded, name)
+        assert torch.equal(full[:, :width], getattr(batch, name)), name
+        assert not full[:, width:].any(), name
+    assert torch.equal(padded.lengths, batch.lengths)
+    assert batch.padded_to(1) is batch
