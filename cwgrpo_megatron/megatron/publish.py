@@ -9,9 +9,8 @@ no rank of the node holds (pipeline stages or TP ranks on other nodes) cross the
 per node (`weight_sync.plan.SyncPlan`). On GPUs (`rollout.weight_sync`), when no shard has to
 cross nodes, vLLM engines take their weights over CUDA IPC instead: every rank exports the
 whole model on its own GPU and vLLM's transfer hands it to the engine there
-(`weight_sync.ipc`). An engine without a buffer
-(the torch backend, or vLLM in-process on a GPU) takes the streamed export, which supports one
-replica.
+(`weight_sync.ipc`). An engine without a buffer (the torch backend, or vLLM in-process on a
+GPU) takes the streamed export, which supports one replica.
 """
 
 from __future__ import annotations
