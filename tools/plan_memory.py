@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cwgrpo_megatron.analysis import planner  # noqa: E402
+from cwgrpo_megatron.common.files import save_figure  # noqa: E402
 from cwgrpo_megatron.config import load_config  # noqa: E402
 from cwgrpo_megatron.convert.arch import ModelArch  # noqa: E402
 
@@ -134,12 +135,7 @@ def plot(p: planner.Plan, out: Path, title: str) -> Path:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    return save_figure(fig, out)
 
 
 def search_table(arch: ModelArch, found, top: int) -> str:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import yaml
 
+from cwgrpo_megatron.common.files import save_figure
+
 WINDOW = 5
 TARGET_REWARD = 0.9
 REWARD_BINS = ((0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9))
@@ -248,9 +250,4 @@ def plot(runs: Sequence[Run], out: Path) -> Path:
             ax.legend(fontsize=8)
     fig.suptitle("mean over seeds, band: min-max")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    return save_figure(fig, out)

@@ -26,6 +26,18 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     return path
 
 
+def save_figure(fig, path: str | os.PathLike, *, dpi: int = 110) -> Path:
+    """Save a matplotlib figure as a PNG through `write_atomic`, then close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    plt.close(fig)
+    return write_atomic(path, buffer.getvalue())
+
+
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     """A hidden temporary folder beside `path` to fill; when the block ends without error it
