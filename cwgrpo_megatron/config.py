@@ -352,6 +352,12 @@ class Config:
                 f"train.total_steps={t.total_steps} counts optimizer steps and must be a "
                 f"multiple of train.ppo_mini_batches={t.ppo_mini_batches}"
             )
+        buffer = self.reward.overlong_buffer_tokens
+        if "overlong" in self.reward.weights and buffer > r.max_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer_tokens={buffer} exceeds rollout.max_tokens="
+                f"{r.max_tokens}: the penalty would start before the first token; lower it"
+            )
         if "heldout" in self.eval.benchmarks and d.heldout_size == 0:
             raise ValueError(
                 "eval.benchmarks names heldout but data.heldout_size=0: set data.heldout_size"

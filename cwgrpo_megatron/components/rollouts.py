@@ -136,7 +136,9 @@ class Rollouts:
                 if cfg.run.trace_engine:
                     engine = TracedEngine(engine, run.engine_calls, replica=replica)
         if replica is not None:
-            reward = build_reward(cfg.reward, workers=_reward_workers(replicas))
+            reward = build_reward(
+                cfg.reward, workers=_reward_workers(replicas), max_tokens=cfg.rollout.max_tokens
+            )
             stack.callback(reward.close)
         return cls(
             rollout=cfg.rollout,

@@ -14,6 +14,8 @@
                    tokens (`completion_lengths=`), clamped to max_len
     repetition     Open-R1's n-gram repetition penalty: max_penalty x the share of repeated word
                    n-grams (`repetition.py`)
+    overlong       DAPO's soft overlong punishment: 0 up to max_tokens - buffer tokens, then a
+                   linear fall to -penalty at max_tokens (`completion_lengths=`)
     integer_answer 1 if the first integer in the completion equals the integer gold answer, else
                    0 (the synthetic tasks of `data/synthetic.py`)
 
@@ -210,6 +212,47 @@ class RepetitionReward(Reward):
         return [self.max_penalty * f if f else 0.0 for f in fractions]
 
 
+@register_reward("overlong")
+class OverlongReward(Reward):
+    """DAPO's soft overlong punishment, with L_max = max_tokens (the completion limit), a
+    buffer of L_buf tokens and a penalty factor p:
+
+        r = 0                                  L <= L_max - L_buf
+        r = p ((L_max - L_buf) - L) / L_buf    L_max - L_buf < L <= L_max   (0 down to -p)
+        r = -p                                 L > L_max
+
+    L is the completion's length in tokens (`completion_lengths=`). A completion cut at the
+    limit scores -p; with train.mask_truncated it also gets no loss, so only the shaping of the
+    completions that did end reaches the gradient."""
+
+    def __init__(self, *, max_tokens: int, buffer_tokens: int, penalty: float = 1.0) -> None:
+        if not 1 <= buffer_tokens <= max_tokens:
+            raise ValueError(
+                f"the overlong buffer of {buffer_tokens} tokens must be in [1, max_tokens="
+                f"{max_tokens}]"
+            )
+        if penalty < 0:
+            raise ValueError(f"the overlong penalty must be >= 0, got {penalty}")
+        self.max_tokens, self.buffer, self.penalty = max_tokens, buffer_tokens, penalty
+
+    def __call__(
+        self,
+        *,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        completion_lengths: Sequence[int] | None = None,
+        **_,
+    ) -> list[float]:
+        _check_lengths(completions, answers)
+        if completion_lengths is None or len(completion_lengths) != len(completions):
+            raise ValueError("overlong needs completion_lengths= (tokens per completion)")
+        start = self.max_tokens - self.buffer
+        return [
+            -self.penalty * min(1.0, max(0, int(length) - start) / self.buffer)
+            for length in completion_lengths
+        ]
+
+
 _FIRST_INTEGER = re.compile(r"-?\d+")
 
 
@@ -337,10 +380,14 @@ class WeightedReward(Reward):
             reward.close()
 
 
-def build_reward(cfg: RewardConfig, *, workers: int | None = None) -> WeightedReward:
+def build_reward(
+    cfg: RewardConfig, *, workers: int | None = None, max_tokens: int | None = None
+) -> WeightedReward:
     """The WeightedReward that `cfg` (a run's `reward` settings) describes; it holds worker
     processes: close it. `workers` replaces reward.workers = 0 (one per core) where several
-    ranks share a node."""
+    ranks share a node; `max_tokens` is rollout.max_tokens (the overlong reward's limit)."""
+    if "overlong" in cfg.weights and max_tokens is None:
+        raise ValueError("the overlong reward needs the completion limit: pass max_tokens")
     return WeightedReward(
         dict(cfg.weights),
         workers=cfg.workers or workers,
@@ -348,6 +395,11 @@ def build_reward(cfg: RewardConfig, *, workers: int | None = None) -> WeightedRe
         verifier=cfg.verifier,
         cosine_length={"max_len": cfg.cosine_max_len},
         repetition={"ngram": cfg.repetition_ngram, "max_penalty": cfg.repetition_max_penalty},
+        overlong={
+            "max_tokens": max_tokens,
+            "buffer_tokens": cfg.overlong_buffer_tokens,
+            "penalty": cfg.overlong_penalty,
+        },
     )
 
 

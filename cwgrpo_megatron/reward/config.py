@@ -23,6 +23,11 @@ class RewardConfig:
     """repetition: n of the word n-grams whose repeats are penalised (Open-R1: 3)."""
     repetition_max_penalty: float = -1.0
     """repetition: the reward of a completion made of one n-gram repeated (<= 0)."""
+    overlong_buffer_tokens: int = 512
+    """overlong: the last L tokens before rollout.max_tokens over which the penalty grows
+    linearly (DAPO: 4,096 of 20,480)."""
+    overlong_penalty: float = 1.0
+    """overlong: the penalty at the limit, and beyond it (DAPO: 1.0)."""
     verifier: str = "accuracy"
     """What decides a completion is correct (accuracy/mean, evaluation, and the parts that read
     the verdict): accuracy (math-verify on the last \\boxed{}) or integer_answer (the first
@@ -40,6 +45,8 @@ class RewardConfig:
         check_range("reward.workers", self.workers, low=0)
         check_range("reward.cosine_max_len", self.cosine_max_len, low=1)
         check_range("reward.repetition_ngram", self.repetition_ngram, low=1)
+        check_range("reward.overlong_buffer_tokens", self.overlong_buffer_tokens, low=1)
+        check_range("reward.overlong_penalty", self.overlong_penalty, low=0.0)
         if self.repetition_max_penalty > 0:
             raise ValueError(
                 f"reward.repetition_max_penalty={self.repetition_max_penalty} must be <= 0 "

@@ -27,6 +27,7 @@ def test_weighted_combination_and_registry():
         "cosine_length",
         "format",
         "integer_answer",
+        "overlong",
         "repetition",
     ]
     with pytest.raises(ValueError, match="unknown reward 'length'; choose one of: accuracy"):
@@ -46,3 +47,47 @@ def test_repetition_reward_is_open_r1_penalty():
     assert all(math.copysign(1.0, s) > 0 for s in scores if s == 0)  # no -0.0 in the logs
     with pytest.raises(ValueError, match="max_penalty must be <= 0"):
         get_reward("repetition", max_penalty=0.5)
+
+
+def test_overlong_penalty_is_dapos_linear_ramp_at_its_boundaries():
+    """0 up to max_tokens - buffer, a linear fall to -penalty at max_tokens, -penalty past it."""
+    reward = get_reward("overlong", max_tokens=100, buffer_tokens=20, penalty=0.5)
+    lengths = [0, 79, 80, 81, 90, 99, 100, 101, 500]
+    scores = reward(completions=["x"] * 9, answers=["1"] * 9, completion_lengths=lengths)
+    expected = [0.0, 0.0, 0.0, -0.025, -0.25, -0.475, -0.5, -0.5, -0.5]
+    assert scores == pytest.approx(expected)
+    # as a part of a weighted sum: format's 1 (one "\n</think>\n") plus 2 x the penalty
+    both = WeightedReward({"format": 1.0, "overlong": 2.0}, overlong=dict(
+        max_tokens=100, buffer_tokens=20, penalty=0.5))  # fmt: skip
+    done = "reasoning\n</think>\nthe answer"
+    assert both(completions=[done, done], answers=["1", "1"], completion_lengths=[50, 90]) == [
+        1.0,
+        0.5,
+    ]
+
+
+def test_overlong_settings_that_cannot_work_are_refused():
+    from cwgrpo_megatron.config import load_config
+    from cwgrpo_megatron.reward import build_reward
+
+    with pytest.raises(ValueError, match=r"overlong buffer of 0 tokens must be in \[1, max_tok"):
+        get_reward("overlong", max_tokens=100, buffer_tokens=0)
+    with pytest.raises(ValueError, match="overlong penalty must be >= 0"):
+        get_reward("overlong", max_tokens=100, buffer_tokens=10, penalty=-1.0)
+    reward = get_reward("overlong", max_tokens=100, buffer_tokens=10)
+    with pytest.raises(ValueError, match="overlong needs completion_lengths="):
+        reward(completions=["x"], answers=["1"])
+    with pytest.raises(ValueError, match="reward.overlong_buffer_tokens=600 exceeds rollout.max"):
+        load_config(
+            overrides=[
+                "reward.weights={accuracy: 1.0, overlong: 1.0}",
+                "reward.overlong_buffer_tokens=600",
+                "rollout.max_tokens=512",
+            ]
+        )
+    cfg = load_config(overrides=["reward.weights={format: 1.0, overlong: 1.0}"])
+    with pytest.raises(ValueError, match="the overlong reward needs the completion limit"):
+        build_reward(cfg.reward)
+    with build_reward(cfg.reward, max_tokens=cfg.rollout.max_tokens) as reward:
+        limit = cfg.rollout.max_tokens
+        assert reward.parts["overlong"][1].max_tokens == limit
