@@ -60,6 +60,7 @@ from typing import NamedTuple
 from cwgrpo_megatron.convert.arch import ModelArch, divisors, padded_vocab_size
 from cwgrpo_megatron.dist.vocab_parallel import GPU_CHUNK_ELEMENTS
 from cwgrpo_megatron.rollout import engine_sleep_level
+from cwgrpo_megatron.rollout.replicas import Replicas
 
 GiB = 1 << 30
 RECOMPUTE = ("none", "selective", "full")
@@ -467,10 +468,11 @@ class Setting:
     colocated: bool = True
 
     def engines(self, cluster: Cluster) -> int:
-        """How many engines the job runs (`rollout.replicas.Replicas.place` on GPUs)."""
-        if self.replicas == "auto":
-            return cluster.world // self.rollout_tp
-        return cluster.nodes if self.replicas == "per_node" else int(self.replicas)
+        """How many engines the job runs: the trainer's own placement (`Replicas.place`) on
+        the cluster's GPUs, with its errors for a split that cannot work."""
+        nodes = [node for node in range(cluster.nodes) for _ in range(cluster.gpus_per_node)]
+        placed = Replicas.place(nodes, self.replicas, engine_tp=self.rollout_tp, cuda=True)
+        return len(placed.groups)
 
     @classmethod
     def from_config(cls, cfg, **changes) -> Setting:
@@ -599,11 +601,7 @@ def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
             f"micro-batches of {setting.micro_batch_size}"
         )
     rtp = setting.rollout_tp
-    if setting.replicas == "auto" and cluster.gpus_per_node % rtp:
-        raise ValueError(
-            f"rollout tp={rtp} does not split a node of {cluster.gpus_per_node} GPUs into "
-            "engines: use a divisor of it"
-        )
+    setting.engines(cluster)  # a placement that cannot work fails here, as the trainer's would
     if arch.num_kv_heads % rtp and rtp % arch.num_kv_heads:
         raise ValueError(
             f"rollout tp={rtp} and num_key_value_heads={arch.num_kv_heads}: "
