@@ -4,13 +4,14 @@
      "level": L (sleep; else null), "tags": [...] (wake; else null)}
 
 `load` is a weight sync into the engine (`update_weights`, `load_shared_weights` or
-`receive_ipc`); `step` is
-the training step the call belongs to (0 before the first). On CPU, where sleeping frees
-nothing, the trace is how the order of a step's calls (docs/design.md, section 4) is proven.
+`receive_ipc`); `step` is the training step the call belongs to (0 before the first). On CPU,
+where sleeping frees nothing, the trace is how the order of a step's calls (docs/design.md,
+section 4) is proven.
 
 Each replica's owner appends to the same `engine_calls.jsonl`: one `os.write` of one line on a
-file opened with O_APPEND, so lines of different owners do not interleave on a local file
-system (on a shared one across nodes, each node's lines stay whole on NFS v4 and Lustre).
+file opened with O_APPEND, so lines of owners on one machine do not interleave. A file system
+shared across machines need not make appends atomic (NFS does not): there, lines of different
+nodes may mix. It is a test and debugging aid, not a record the run reads back.
 """
 
 from __future__ import annotations
