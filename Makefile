@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: test check demo compare lint format bench clean
+.PHONY: test check demo compare compare-dynamic lint format bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,17 +64,25 @@ demo: $(STAMP)
 
 # GRPO vs CW-GRPO, 3 seeds each, on the harder synthetic task of configs/compare_cpu.yaml (about
 # an hour on 2 cores); the plot and the table go to docs/results/. Seeds: COMPARE_SEEDS.
+# compare-dynamic: the same with dynamic sampling (train.dynamic_sampling=true), into
+# runs/compare_dynamic and docs/results/compare_dynamic.{md,png}.
 COMPARE_SEEDS ?= 0 1 2
-COMPARE_RUNS := runs/compare
+COMPARE_RUNS ?= runs/compare
+COMPARE_NAME ?= compare
+COMPARE_ARGS ?=
 compare: $(STAMP)
 	$(PY) tools/import_gguf.py --out $(SMOLLM2)
 	set -e; for seed in $(COMPARE_SEEDS); do for loss in grpo cw_grpo; do \
 		rm -rf $(COMPARE_RUNS)/$${loss}_seed$$seed; \
 		$(PY) -m cwgrpo_megatron.train --config configs/compare_cpu.yaml model.path=$(SMOLLM2) \
 			algo.policy_loss=$$loss train.seed=$$seed data.seed=$$seed \
-			run.out_dir=$(COMPARE_RUNS)/$${loss}_seed$$seed; \
+			run.out_dir=$(COMPARE_RUNS)/$${loss}_seed$$seed $(COMPARE_ARGS); \
 	done; done
-	$(PY) tools/compare_runs.py $(COMPARE_RUNS)/*_seed* --out docs/results
+	$(PY) tools/compare_runs.py $(COMPARE_RUNS)/*_seed* --out docs/results --name $(COMPARE_NAME)
+
+compare-dynamic:
+	$(MAKE) compare COMPARE_RUNS=runs/compare_dynamic COMPARE_NAME=compare_dynamic \
+		COMPARE_ARGS=train.dynamic_sampling=true
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

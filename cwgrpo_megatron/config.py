@@ -131,6 +131,19 @@ class TrainConfig:
     seed: int = 1234
     """Seed of Megatron's RNG tracker, of clip_cov's draws and of the rollouts: prompt j of step k
     is sampled with a seed that is a function of (seed, k, j) only."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling (DAPO's): a step generates rounds of train.gen_prompts_per_step prompts
+    and keeps only groups whose rewards differ (std >= train.dynamic_sampling_eps) until it
+    has prompts_per_step of them, or train.max_gen_batches rounds have run. Surplus groups are
+    dropped in prompt order. docs/training.md#dynamic-sampling."""
+    gen_prompts_per_step: int | None = None
+    """Prompts generated per round with dynamic sampling (>= prompts_per_step); None: equal."""
+    dynamic_sampling_eps: float = 1e-6
+    """A group whose rewards have a (population) std below this is dropped: it has no signal."""
+    max_gen_batches: int = 10
+    """Rounds per step at most. When they end short of prompts_per_step groups, the step
+    trains on those it has if their count splits over dp and micro-batches (with a warning and
+    dynamic/cap_reached = 1); otherwise the run stops with an error."""
     mask_truncated: bool = False
     """Completions cut at rollout.max_tokens get no loss (overlong masking, as TRL's
     mask_truncated_completions); they still count in their group's advantage baseline."""
@@ -148,6 +161,27 @@ class TrainConfig:
     @property
     def sequences_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts one generation round draws: gen_prompts_per_step, else prompts_per_step."""
+        return self.gen_prompts_per_step or self.prompts_per_step
+
+    def _check_dynamic_sampling(self) -> None:
+        check_range("train.dynamic_sampling_eps", self.dynamic_sampling_eps, low=0.0)
+        gen = self.gen_prompts_per_step
+        if gen is None:
+            return
+        if not self.dynamic_sampling and gen != self.prompts_per_step:
+            raise ValueError(
+                f"train.gen_prompts_per_step={gen} is only used with dynamic sampling: set "
+                "train.dynamic_sampling=true, or drop it"
+            )
+        if gen < self.prompts_per_step:
+            raise ValueError(
+                f"train.gen_prompts_per_step={gen} is below train.prompts_per_step="
+                f"{self.prompts_per_step}: a round must be able to fill the step; raise it"
+            )
 
     def recompute_overrides(self) -> dict:
         """The TransformerConfig fields of these recompute settings."""
@@ -168,8 +202,10 @@ class TrainConfig:
             "group_size",
             "ppo_mini_batches",
             "micro_batch_size",
+            "max_gen_batches",
         ):
             check_range(f"train.{key}", getattr(self, key), low=1)
+        self._check_dynamic_sampling()
         if self.temperature <= 0:
             raise ValueError(f"train.temperature={self.temperature} must be > 0")
         check_choice("train.params_dtype", self.params_dtype, PARAM_DTYPES)
@@ -380,19 +416,30 @@ class Config:
         if world_size % (tp * pp):
             raise ValueError(f"world size {world_size} is not a multiple of tp x pp = {tp * pp}")
         dp = world_size // (tp * pp)
-        prompts = self.train.prompts_per_step // self.train.ppo_mini_batches
-        if prompts % dp:
+        problem = self.split_problem(self.train.prompts_per_step, dp)
+        if problem:
             raise ValueError(
-                f"{prompts} prompts per mini-batch do not split over dp={dp} ranks; make "
-                "train.prompts_per_step / train.ppo_mini_batches a multiple of dp"
-            )
-        rows = prompts // dp * self.train.group_size
-        if self.train.max_tokens_per_micro_batch is None and rows % self.train.micro_batch_size:
-            raise ValueError(
-                f"{rows} sequences per rank and mini-batch are not a multiple of "
-                f"train.micro_batch_size={self.train.micro_batch_size}"
+                f"{problem}: fit train.prompts_per_step, train.ppo_mini_batches and "
+                "train.micro_batch_size to the layout (whole prompt groups per rank)"
             )
         return dp
+
+    def split_problem(self, prompts: int, dp: int) -> str | None:
+        """Why a batch of `prompts` groups cannot be trained at data-parallel size `dp` (whole
+        groups per rank and mini-batch, whole micro-batches), or None when it can."""
+        t = self.train
+        if prompts % t.ppo_mini_batches:
+            return f"{prompts} prompts do not split into {t.ppo_mini_batches} mini-batches"
+        per_mini = prompts // t.ppo_mini_batches
+        if per_mini % dp:
+            return f"{per_mini} prompts per mini-batch do not split over dp={dp} ranks"
+        rows = per_mini // dp * t.group_size
+        if t.max_tokens_per_micro_batch is None and rows % t.micro_batch_size:
+            return (
+                f"{rows} sequences per rank and mini-batch are not a multiple of "
+                f"train.micro_batch_size={t.micro_batch_size}"
+            )
+        return None
 
 
 def load_config(

@@ -3,14 +3,16 @@
 Step k (1-based), on every rank of the job (steps 1-3 are `components.rollouts.Rollouts`,
 step 10 is `components.sync.WeightSync`):
 
-    1. prompts     the sampler draws the step's P prompts (the same on every rank); each
-                   engine replica's owner takes its share (`rollout.replicas.Replicas.share`)
-    2. rollouts    G completions per prompt from the owner's engine; prompt j of step k is
-                   sampled with `rollout_seed(train.seed, k, j)`, whatever the layout, the
-                   number of replicas or the history; then the engines sleep
-                   (rollout.sleep_level) while the trainer works
+    1. prompts     the sampler draws a round's prompts (the same on every rank); each engine
+                   replica's owner takes its share (`rollout.replicas.Replicas.share`)
+    2. rollouts    G completions per prompt from the owner's engine; prompt j of round r is
+                   sampled with `rollout_seed(train.seed, k, r * R + j)`, whatever the layout,
+                   the number of replicas or the history
     3. rewards     each owner scores its own groups in its worker pool, so each completion is
-                   scored once in the whole job; one all-gather then gives every rank the step
+                   scored once in the whole job; one all-gather then gives every rank the round.
+                   Steps 1-3 repeat while dynamic sampling (`data.dynamic_sampling`) lacks
+                   groups with a reward signal; then the engines sleep (rollout.sleep_level)
+                   while the trainer works
     4. advantages  per group, and the TrainBatch (identical on every rank)
     5-9.           `train_step`: micro-batches, forward-only pass, scope statistics, 1F1B
                    training pass, optimizer step, metrics reduced once
@@ -63,8 +65,9 @@ if TYPE_CHECKING:
 @dataclass
 class LoopState:
     """What a resumed run needs besides the actor's checkpoint (model, optimizer, LR schedule,
-    every rank's RNG): the steps done and the prompt sampler's position. Rollout seeds are a
-    function of (train.seed, step, prompt), so nothing of the engine's history is needed."""
+    every rank's RNG): the steps done and the prompt sampler's position after the step's last
+    round. Rollout seeds are a function of (train.seed, step, round, prompt), so nothing of the
+    engine's history is needed."""
 
     step: int
     sampler: PromptSampler
@@ -106,13 +109,16 @@ class Trainer:
         """Step `state.step + 1`, phase by phase (the module docstring); its metrics line."""
         cfg, timer, step = self.cfg, PhaseTimer(), self.state.step + 1
         with timer("step"):
-            prompts = self.rollouts.draw(step)
-            with timer("rollout"):
-                groups = self.rollouts.generate(prompts)
+            rounds = self.rollouts.rounds()
+            while rounds.want_more():
+                prompts = self.rollouts.draw(step, rounds.rounds)
+                with timer("rollout"):
+                    groups = self.rollouts.generate(prompts)
+                with timer("reward"):
+                    rounds.add(self.rollouts.score(prompts, groups))
             with timer("sleep"):
                 self.rollouts.sleep()
-            with timer("reward"):
-                scored = self.rollouts.score(prompts, groups)
+            scored = rounds.batch()
             batch = self.advantages(scored)
             results = train_step(self.actor, batch, timer=timer)
             model, engine = self.actor.model, self.rollouts.engine
@@ -124,7 +130,8 @@ class Trainer:
                 self.rollouts.wake("kv_cache")
             with timer("sync"):
                 checked = self.sync.check(model, engine, step=step)
-            metrics = {**rollout_metrics(scored), **actor_metrics(results), **pushed, **checked}
+            metrics = {**rollout_metrics(scored), **rounds.metrics(), **actor_metrics(results)}
+            metrics.update({**pushed, **checked})
             self.write_samples(step, scored)
             if _due(step, cfg.run.eval_every, cfg.rollout_steps) and self.cfg.eval.benchmarks:
                 with timer("eval"):

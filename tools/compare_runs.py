@@ -1,9 +1,10 @@
-"""Compare training runs: compare.png (reward, held-out accuracy, entropy, response length, CW
-weights, grad norm) and compare.md (per group, mean +- std over seeds, incl. entropy at matched
+"""Compare training runs: NAME.png (reward, held-out accuracy, entropy, response length, CW
+weights, grad norm) and NAME.md (per group, mean +- std over seeds, incl. entropy at matched
 reward). See cwgrpo_megatron/analysis/run_compare.py for every statistic's definition.
 
     python tools/compare_runs.py runs/grpo_s* runs/cw_s* --out docs/results
     python tools/compare_runs.py runs/a runs/b --label A='runs/a*' --label B='runs/b*' --out cmp
+    python tools/compare_runs.py runs/compare_dynamic/* --out docs/results --name compare_dynamic
 
 Runs are grouped by their algo.policy_loss unless a --label NAME=GLOB rule matches the folder.
 """
@@ -22,7 +23,8 @@ def main(argv=None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl)")
-    parser.add_argument("--out", required=True, help="folder for compare.png and compare.md")
+    parser.add_argument("--out", required=True, help="folder for NAME.png and NAME.md")
+    parser.add_argument("--name", default="compare", help="the files' name (default: compare)")
     parser.add_argument(
         "--label", action="append", default=[], metavar="NAME=GLOB", help="group rule (repeatable)"
     )
@@ -39,11 +41,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(runs)
-    write_atomic(out / "compare.md", table)
-    plot(runs, out / "compare.png")
+    figure, text = out / f"{args.name}.png", out / f"{args.name}.md"
+    write_atomic(text, table)
+    plot(runs, figure)
     if not args.quiet:
         print(table)
-    print(f"wrote {out / 'compare.png'} and {out / 'compare.md'}")
+    print(f"wrote {figure} and {text}")
     return 0
 
 

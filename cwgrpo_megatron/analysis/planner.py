@@ -451,6 +451,9 @@ class Setting:
     seq_len: int = 4096
     """Tokens of a padded row: max prompt + max completion tokens."""
     sequences_per_step: int = 144
+    rollout_sequences: int | None = None
+    """Sequences of one generation round (train.gen_prompts_per_step x G with dynamic
+    sampling); None: sequences_per_step."""
     mini_batches: int = 1
     recompute: str = "none"
     recompute_method: str = "uniform"
@@ -492,6 +495,7 @@ class Setting:
             micro_batch_size=mbs,
             seq_len=seq_len,
             sequences_per_step=t.sequences_per_step,
+            rollout_sequences=t.prompts_per_round * t.group_size,
             mini_batches=t.ppo_mini_batches,
             recompute=t.recompute_granularity,
             recompute_method=t.recompute_method,
@@ -633,7 +637,7 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
         capacity=cluster.capacity,
         utilization=setting.utilization if setting.colocated else 0.0,
         rollout_tp=setting.rollout_tp,
-        sequences=-(-setting.sequences_per_step // engines),
+        sequences=-(-(setting.rollout_sequences or setting.sequences_per_step) // engines),
         max_model_len=setting.max_model_len,
         dtype=setting.engine_dtype,
         sleep_level=setting.sleep_level,

@@ -15,6 +15,10 @@ runs (sample std, ddof = 1; 0 for a single run). Per run:
                              the share of sum |c| carried by the 1% of tokens of largest |c|
                              ("extreme tokens"; undefined when every c is 0)
     wall time (s)            sum of timing_s/step and of the step-0 evaluation's timing_s/eval
+    rounds per step          mean dynamic/rounds over the steps (dynamic sampling only): the
+                             generation rounds a step took to fill its batch with groups that
+                             have a reward signal
+    steps at the cap         how many steps ended their rounds short of a full batch
 
 The last one separates "a narrower entropy band" from "learning more slowly": two algorithms
 compared at the same reward, not at the same step.
@@ -50,7 +54,10 @@ PANELS = (
     ("grad norm", ("actor/grad_norm",)),
     ("top-1% tokens' share of sum |c|", ("cw/top1pct_cov_share",)),
     ("sigma of c (kernel bandwidth)", ("cw/sigma",)),
+    ("generation rounds per step", ("dynamic/rounds",)),
 )
+"""The figure's panels; one whose metrics no run has (rounds without dynamic sampling) is left
+out."""
 
 
 @dataclass
@@ -172,6 +179,9 @@ def run_stats(run: Run) -> dict[str, float | None]:
         )
     stats["top-1% covariance share"] = statistics.fmean(extreme) if extreme else None
     stats["wall time (s)"] = sum(seconds) if seconds else None
+    rounds = run.series("dynamic/rounds")[1]
+    stats["rounds per step"] = statistics.fmean(rounds) if rounds else None
+    stats["steps at the cap"] = sum(run.series("dynamic/cap_reached")[1]) if rounds else None
     return stats
 
 
@@ -228,9 +238,13 @@ def plot(runs: Sequence[Run], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(19, 8))
+    panels = [(t, keys) for t, keys in PANELS if any(r.series(keys[0])[0] for r in runs)]
+    columns = -(-len(panels) // 2)
+    fig, axes = plt.subplots(2, columns, figsize=(4.75 * columns, 8), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (title, keys) in zip(axes.flat, panels, strict=False):
         for g, (label, members) in enumerate(groups_of(runs).items()):
             for k, key in enumerate(keys):
                 steps, mean, low, high = _band(members, key)

@@ -1,19 +1,22 @@
-"""Steps 1-3 of a training step: the prompts, their rollouts and their rewards; and the
-engines' memory around the trainer's phases (sleep after the rollouts, wake for the sync).
+"""Steps 1-3 of a training step: the prompts, their rollouts and their rewards, in one or
+more rounds (dynamic sampling); and the engines' memory around the trainer's phases (sleep
+after the rollouts, wake for the sync).
 
     Rollouts = prompt sampler + engine replicas (where the engines live) + this rank's engine
                and reward worker pool (on each replica's owner; None elsewhere)
 
-Prompt j of step k is sampled with `rollout_seed(train.seed, k, j)`, whatever the layout, the
-number of replicas or the history, and each completion is scored once in the whole job, by the
-owner of the replica that sampled it.
+Prompt j of round r of step k is sampled with `rollout_seed(train.seed, k, r * R + j)` (R
+prompts per round), whatever the layout, the number of replicas or the history, and each
+completion is scored once in the whole job, by the owner of the replica that sampled it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,6 +25,7 @@ import torch.distributed as dist
 
 from cwgrpo_megatron.components.inputs import Inputs
 from cwgrpo_megatron.config import Config, TrainConfig
+from cwgrpo_megatron.data.dynamic_sampling import StepRounds
 from cwgrpo_megatron.data.prompts import Problem, PromptSampler
 from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, node_of_each_rank, world_group
 from cwgrpo_megatron.eval.runner import eval_requests, eval_result, sample_requests
@@ -46,8 +50,8 @@ log = logging.getLogger("cwgrpo_megatron.train")
 
 
 class StepPrompts(NamedTuple):
-    """This rank's share of a step's prompts: positions in the step, problems, prompt token ids
-    and sampling seeds (all empty on ranks that own no engine)."""
+    """This rank's share of a round's prompts: positions in the step (r * R + j), problems,
+    prompt token ids and sampling seeds (all empty on ranks that own no engine)."""
 
     positions: list[int]
     problems: list[Problem]
@@ -67,6 +71,9 @@ class Rollouts:
     reward: WeightedReward | None
     sleep_level: int
     """`rollout.sleep_level` resolved for this machine: 0 never sleeps."""
+    split_problem: Callable[[int], str | None]
+    """Why n prompt groups cannot be trained at this layout, or None (`Config.split_problem`
+    at this run's dp)."""
 
     @staticmethod
     def place(cfg: Config, group) -> Replicas:
@@ -149,6 +156,9 @@ class Rollouts:
             engine=engine,
             reward=reward,
             sleep_level=engine_sleep_level(cfg.rollout, cuda=torch.cuda.is_available()),
+            split_problem=functools.partial(
+                cfg.split_problem, dp=cfg.check_world(dist.get_world_size())
+            ),
         )
 
     def at_step(self, step: int) -> None:
@@ -156,21 +166,36 @@ class Rollouts:
         if isinstance(self.engine, TracedEngine):
             self.engine.step = step
 
-    def draw(self, step: int) -> StepPrompts:
-        """Step 1: the step's prompts that this rank's engine samples (every rank advances the
-        sampler alike); none on ranks without an engine."""
+    def rounds(self) -> StepRounds:
+        """A step's generation rounds: with train.dynamic_sampling up to max_gen_batches of
+        them, dropping groups without a reward signal (`data.dynamic_sampling`); else one
+        round that keeps every group."""
+        t = self.train
+        return StepRounds(
+            target=t.prompts_per_step,
+            max_rounds=t.max_gen_batches if t.dynamic_sampling else 1,
+            eps=t.dynamic_sampling_eps if t.dynamic_sampling else None,
+            split_problem=self.split_problem,
+        )
+
+    def draw(self, step: int, round_index: int = 0) -> StepPrompts:
+        """Step 1: the round's R prompts (train.prompts_per_round) that this rank's engine
+        samples (every rank advances the sampler alike, so its position after the last round
+        is what a checkpoint holds); none on ranks without an engine."""
         self.at_step(step)
         t, prompts = self.train, self.inputs.train_set
-        indices = self.sampler.next_indices(t.prompts_per_step)
+        count = t.prompts_per_round
+        indices = self.sampler.next_indices(count)
         replica = self.replicas.owned_by(dist.get_rank())
-        positions = []
+        shares = []
         if replica is not None:
-            positions = list(self.replicas.share(replica, t.prompts_per_step))
+            shares = list(self.replicas.share(replica, count))
+        positions = [round_index * count + j for j in shares]
         return StepPrompts(
             positions=positions,
-            problems=[prompts.problems[indices[j]] for j in positions],
-            token_ids=[prompts.token_ids[indices[j]] for j in positions],
-            seeds=[rollout_seed(t.seed, step, j, t.group_size) for j in positions],
+            problems=[prompts.problems[indices[j]] for j in shares],
+            token_ids=[prompts.token_ids[indices[j]] for j in shares],
+            seeds=[rollout_seed(t.seed, step, p, t.group_size) for p in positions],
         )
 
     def generate(self, prompts: StepPrompts) -> list[RolloutGroup]:
@@ -186,7 +211,7 @@ class Rollouts:
             )
 
     def score(self, prompts: StepPrompts, groups: list[RolloutGroup]) -> list[ScoredGroup]:
-        """Step 3: each owner scores its groups; one all-gather assembles the step's
+        """Step 3: each owner scores its groups; one all-gather assembles the round's
         `ScoredGroup`s on every rank, in prompt order."""
 
         def mine():

@@ -56,7 +56,21 @@ def _cases(root: Path, model: Path) -> dict[str, list[str]]:
         "reward-raises": args(
             "w", "train.total_steps=3", "reward.weights={explodes: 1.0}", "run.resume=auto"
         ),
+        # the random model is never right: every group's accuracy rewards are equal
+        "no-reward-signal": args("n", *DYNAMIC, "reward.weights={accuracy: 1.0}"),
+        # 3 rounds of 4 draw the 12 problems once: only "0 + 0"'s group has a signal
+        "short-step": args("s", *DYNAMIC, "train.total_steps=1", "reward.weights={zero: 1.0}"),
+        "short-step-unsplittable": args(
+            "t",
+            *DYNAMIC,
+            "train.ppo_mini_batches=2",
+            "train.total_steps=2",
+            "reward.weights={zero: 1.0}",
+        ),  # fmt: skip
     }
+
+
+DYNAMIC = ("train.dynamic_sampling=true", "train.max_gen_batches=3")
 
 
 def _run_cases(rank, world_size, root: str, model: str) -> dict:
@@ -71,6 +85,13 @@ def _run_cases(rank, world_size, root: str, model: str) -> dict:
     class Explodes(Reward):
         def __call__(self, *, completions, answers, **_):
             raise RuntimeError("the reward server is down")
+
+    @register_reward("zero")
+    class SpreadOnZero(Reward):
+        """0, 1, 0, 1, ... on the completions of the problem whose answer is 0; else 0."""
+
+        def __call__(self, *, completions, answers, **_):
+            return [float(a == "0" and i % 2) for i, a in enumerate(answers)]
 
     out = {}
     for name, argv in _cases(Path(root), Path(model)).items():
@@ -106,6 +127,18 @@ def results(tmp_path_factory):
         ),
         pytest.param("unwritable-out-dir", "cannot be written", id="out-dir"),
         pytest.param("reward-raises", "the reward server is down", id="reward"),
+        pytest.param(
+            "no-reward-signal",
+            "3 rounds (train.max_gen_batches) of 4 prompts (train.gen_prompts_per_step) gave "
+            "0 of the 4 groups",
+            id="no-signal",
+        ),
+        pytest.param(
+            "short-step-unsplittable",
+            "gave 1 of the 4 groups with a reward std >= train.dynamic_sampling_eps=1e-06 that "
+            "a step needs, and 1 prompts do not split into 2 mini-batches",
+            id="short-step",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error_on_every_rank(case, message, results):
@@ -133,3 +166,14 @@ def test_a_failed_step_keeps_the_earlier_checkpoints(results):
     assert (checkpoints / "step_00000001" / "train_state.json").is_file()
     rows = [json.loads(x) for x in (root / "w" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
+
+
+def test_a_short_dynamic_step_trains_on_the_groups_it_has_with_a_warning(results):
+    root, (rank0, rank1) = results
+    code, err = rank0["short-step"]
+    assert code == 0 and rank1["short-step"][0] == 0, err
+    assert "dynamic sampling: 3 rounds gave 1 of 4 groups with a reward signal" in err
+    (row,) = [json.loads(x) for x in (root / "s" / "metrics.jsonl").read_text().splitlines()]
+    assert row["dynamic/rounds"] == 3 and row["dynamic/groups_generated"] == 12
+    assert row["dynamic/groups_kept"] == 1 and row["dynamic/cap_reached"] == 1
+    assert row["groups/frac_zero_std"] == 0 and row["reward/mean"] == 0.5

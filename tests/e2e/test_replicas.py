@@ -2,12 +2,12 @@
 machine (`--nnodes 2 --node-rank {0,1}`), each with 2 processes and one vLLM engine, against
 one launch of 4 processes (one node, one engine). Tiny random Qwen2, configs/tiny_cpu.yaml.
 Both trace their engines' calls at rollout.sleep_level=2 (traced on CPU, where it frees
-nothing), and evaluate after the last step: the two engines' evaluation equals the one's."""
+nothing), sample with dynamic sampling (its rounds split over the replicas like any step's
+prompts), and evaluate after the last step: the two engines' evaluation equals the one's."""
 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
 import signal
@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from cwgrpo_megatron.megatron.launch import free_port
-from tests.e2e.test_train import LAUNCHER, metrics, train_args, without_timings
+from tests.e2e.test_train import DYNAMIC, LAUNCHER, metrics, samples, train_args, without_timings
 from tests.engine_calls import expected_calls, replica_calls
 
 ARGS = (
@@ -29,6 +29,7 @@ ARGS = (
     "train.total_steps=2",
     "run.trace_engine=true",
     "rollout.sleep_level=2",
+    *DYNAMIC,  # each round split over the replicas; the kept groups must not depend on it
 )
 STEPS = expected_calls([1, 2], 2, eval_steps=[2])  # the last step evaluates
 
@@ -73,11 +74,6 @@ def launch_nodes(
             out.seek(0)
             results.append((124 if code is None else code, out.read()))
     return results
-
-
-def samples(out: Path, step: int) -> list[dict]:
-    path = out / "samples" / f"step_{step:08d}.jsonl.gz"
-    return [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,14 @@ METRICS = (
     "timing_s/step",
     "perf/tokens_per_s",
 )
+DYNAMIC = (
+    "train.dynamic_sampling=true",
+    "train.gen_prompts_per_step=6",
+    "train.dynamic_sampling_eps=0.15",
+    "train.max_gen_batches=8",
+)
+"""Dynamic sampling on the tiny task, with a threshold that drops about half of its groups
+(their reward stds are 0-0.21): rounds of 6 prompts until 4 groups have a std >= 0.15."""
 
 
 def launch(cmd: list[str], *, env: dict | None = None, timeout: float = 420):
@@ -143,9 +151,10 @@ def check_run_folder(out: Path, steps: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vllm_run(tiny, tmp_path_factory) -> Path:
-    """The reference: 3 steps with the vLLM engine in one process, a checkpoint every step."""
+    """The reference: 3 steps with the vLLM engine and dynamic sampling in one process, a
+    checkpoint every step."""
     out = tmp_path_factory.mktemp("vllm") / "run"
-    code, log = launch(python_train(tiny, out, "run.verify_sync=1"))
+    code, log = launch(python_train(tiny, out, "run.verify_sync=1", *DYNAMIC))
     assert code == 0, log
     for warning in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
         assert warning not in log, "megatron-core's TE / Apex fallback warnings are back"
@@ -156,7 +165,12 @@ def test_one_process_with_vllm_writes_the_whole_run_folder(vllm_run):
     rows = check_run_folder(vllm_run, steps=3)
     assert all(r["sync/gap"] <= r["sync/tol"] == 1e-4 for r in rows)
     assert rows[-1]["eval/heldout/avg@2"] >= 0.0  # run.eval_every=3: the last step evaluates
-    assert any(r["groups/frac_zero_std"] < 1 for r in rows), "no step had a reward signal"
+    # dynamic sampling: every step full of groups with a reward spread, after several rounds
+    for r in rows:
+        assert r["dynamic/groups_kept"] == 4 and r["dynamic/cap_reached"] == 0, r
+        assert r["dynamic/groups_generated"] == 6 * r["dynamic/rounds"], r
+        assert r["groups/frac_zero_std"] == 0, r
+    assert max(r["dynamic/rounds"] for r in rows) > 1, "no step needed a second round"
     assert rows[-1]["actor/kl"] > 0, "the policy never moved away from the reference"
     steps = sorted(p.name for p in (vllm_run / "checkpoints").iterdir())
     assert steps == ["step_00000002", "step_00000003"]  # run.keep_last=2
@@ -220,16 +234,47 @@ def _check_two_process_run(out: Path, code: int, log: str, layout: dict, steps: 
 
 def test_torchrun_on_the_launcher_at_tp2_trains_like_one_process(tiny, vllm_run, tmp_path):
     out = tmp_path / "run"
-    extra = ("parallel.tp=2", "run.verify_sync=1")
+    extra = ("parallel.tp=2", "run.verify_sync=1", *DYNAMIC)
     code, log = launch([*torchrun(2), str(LAUNCHER), *train_args(tiny, out, *extra)])
     rows = _check_two_process_run(out, code, log, {"tp": 2, "pp": 1, "dp": 1}, steps=3)
-    # the same seeds give the same completions, and TP changes only the order of fp32 sums:
-    # every value of every step agrees with the one-process run (the engines' gaps aside)
-    for ours, single in zip(without_timings(rows), without_timings(metrics(vllm_run)), strict=True):
+    # the same seeds give the same completions, the same rounds and groups kept, and TP
+    # changes only the order of fp32 sums
+    _same_as_one_process(out, rows, vllm_run)
+
+
+def _same_as_one_process(out: Path, rows: list[dict], reference: Path) -> None:
+    """The same completions step by step, and every value of every step agrees with the
+    one-process run (the engines' gaps aside)."""
+    for step in range(1, len(rows) + 1):
+        assert samples(out, step) == samples(reference, step), f"step {step}"
+    for ours, single in zip(
+        without_timings(rows), without_timings(metrics(reference)), strict=True
+    ):
         assert ours.keys() == single.keys()
         for key, value in single.items():
             if not key.startswith("sync/"):
                 assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def samples(out: Path, step: int) -> list[dict]:
+    path = out / "samples" / f"step_{step:08d}.jsonl.gz"
+    return [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tiny, tmp_path_factory) -> Path:
+    """torchrun at DP2 with dynamic sampling and vLLM (one engine, on rank 0): the reference of
+    the DP2 resume below."""
+    out = tmp_path_factory.mktemp("dp2") / "run"
+    extra = ("run.verify_sync=1", "run.trace_engine=true", "rollout.sleep_level=2", *DYNAMIC)
+    code, log = launch([*torchrun(2), str(LAUNCHER), *train_args(tiny, out, *extra)])
+    _check_two_process_run(out, code, log, {"tp": 1, "pp": 1, "dp": 2}, steps=3)
+    return out
+
+
+def test_dp2_with_dynamic_sampling_trains_like_one_process(dp2_run, vllm_run):
+    # each rank trains on 2 of the 4 kept groups; the rounds and groups are the same
+    _same_as_one_process(dp2_run, metrics(dp2_run), vllm_run)
 
 
 def test_bash_launcher_at_dp2_with_the_torch_engine(tiny, tmp_path):
@@ -242,30 +287,42 @@ def test_bash_launcher_at_dp2_with_the_torch_engine(tiny, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("where", "count", "left"),
+    ("where", "count", "left", "nproc"),
     [
-        # killed in step 2's update: step 1's checkpoint is the newest
-        pytest.param("in-step", 2, ["step_00000001"], id="kill-in-step-2"),
+        # killed in step 2's update at DP2: step 1's checkpoint is the newest
+        pytest.param("in-step", 2, ["step_00000001"], 2, id="kill-in-step-2-dp2"),
         # killed in the save of step 2, files written but not renamed: step 1's again
         pytest.param(
-            "in-save", 2, [".step_00000002.partial", "step_00000001"], id="kill-in-save-2"
+            "in-save", 2, [".step_00000002.partial", "step_00000001"], 1, id="kill-in-save-2"
         ),
     ],
 )
 def test_sigkill_then_resume_writes_the_uninterrupted_metrics(
-    where, count, left, tiny, vllm_run, tmp_path
+    where, count, left, nproc, tiny, vllm_run, dp2_run, tmp_path
 ):
+    """With dynamic sampling, whose rounds move the sampler by a varying count each step: the
+    run after the cut equals the uninterrupted run of its layout, value for value."""
     out = tmp_path / "run"
-    traced = ("run.verify_sync=1", "run.trace_engine=true", "rollout.sleep_level=2")
-    args = train_args(tiny, out, *traced)
-    code, log = launch([sys.executable, str(KILL_SCRIPT), where, str(count), *args])
-    assert code == -signal.SIGKILL, log
+    traced = ("run.verify_sync=1", "run.trace_engine=true", "rollout.sleep_level=2", *DYNAMIC)
+    kill = [str(KILL_SCRIPT), where, str(count), *train_args(tiny, out, *traced)]
+    resume = train_args(tiny, out, *traced, "run.resume=auto")
+    if nproc == 1:
+        killed_run = [sys.executable, *kill]
+        resumed_run = python_train(tiny, out, *traced, "run.resume=auto")
+    else:  # torchrun starts the kill script in place of the launcher; torchrun then exits 1
+        killed_run = [*torchrun(nproc), *kill]
+        resumed_run = [*torchrun(nproc), str(LAUNCHER), *resume]
+    code, log = launch(killed_run)
+    assert code == (-signal.SIGKILL if nproc == 1 else 1), log
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == left
     killed = replica_calls(out / "engine_calls.jsonl", 0)
-    code, log = launch(python_train(tiny, out, *traced, "run.resume=auto"))
+    code, log = launch(resumed_run)
     assert code == 0, log
     assert "resumed from" in log and "at step 1" in log
-    assert without_timings(metrics(out)) == without_timings(metrics(vllm_run))
+    reference = vllm_run if nproc == 1 else dp2_run
+    assert without_timings(metrics(out)) == without_timings(metrics(reference))
+    for step in (2, 3):
+        assert samples(out, step) == samples(reference, step), f"step {step}"
     # the engine's calls: the killed run's are the start of an uninterrupted run's (step 2's
     # rollouts and sleep at least); the resumed run loads step 1's weights into its fresh
     # engine, then runs steps 2 and 3 in the same order (step 3 evaluates)
