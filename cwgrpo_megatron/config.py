@@ -129,8 +129,8 @@ class TrainConfig:
     params_dtype: str = "float32"
     """float32 or bfloat16 model parameters."""
     seed: int = 1234
-    """Seed of Megatron's RNG tracker, of clip_cov's draws and of the rollouts: prompt j of step k
-    is sampled with a seed that is a function of (seed, k, j) only."""
+    """Seed of Megatron's RNG tracker, of clip_cov's draws and of the rollouts: prompt j of round r
+    of step k is sampled with a seed that is a function of (seed, k, r, j) only."""
     dynamic_sampling: bool = False
     """Dynamic sampling (DAPO's): a step generates rounds of train.gen_prompts_per_step prompts
     and keeps only groups whose rewards differ (std >= train.dynamic_sampling_eps) until it

@@ -111,7 +111,7 @@ class Trainer:
         with timer("step"):
             rounds = self.rollouts.rounds()
             while rounds.want_more():
-                prompts = self.rollouts.draw(step, rounds.rounds)
+                prompts = self.rollouts.draw(step, rounds.drawn)
                 with timer("rollout"):
                     groups = self.rollouts.generate(prompts)
                 with timer("reward"):

@@ -27,8 +27,7 @@ log = logging.getLogger("cwgrpo_megatron.train")
 
 
 def reward_std(rewards: Sequence[float]) -> float:
-    """The population std of one group's rewards (the `groups/frac_zero_std` sense of
-    "equal": 0 exactly when they all are)."""
+    """The population std of one group's rewards."""
     mean = sum(rewards) / len(rewards)
     return math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
 
@@ -46,7 +45,8 @@ class StepRounds:
     """The std below which a group is dropped; None keeps every group."""
     split_problem: Callable[[int], str | None]
     """Why a batch of n groups cannot be trained at this layout (`Config.split_problem`)."""
-    rounds: int = 0
+    drawn: int = 0
+    """Rounds so far (the next round's index)."""
     generated: int = 0
     kept: list = field(default_factory=list)
 
@@ -55,11 +55,11 @@ class StepRounds:
         return self.eps is not None
 
     def want_more(self) -> bool:
-        return self.rounds < self.max_rounds and len(self.kept) < self.target
+        return self.drawn < self.max_rounds and len(self.kept) < self.target
 
     def add(self, groups: Sequence) -> None:
         """One round's scored groups (`reward.scoring.ScoredGroup`), in prompt order."""
-        self.rounds += 1
+        self.drawn += 1
         self.generated += len(groups)
         self.kept += [g for g in groups if self.eps is None or reward_std(g.rewards) >= self.eps]
 
@@ -76,8 +76,8 @@ class StepRounds:
         problem = "no group has a reward signal" if not have else self.split_problem(have)
         if problem:
             raise ValueError(
-                f"dynamic sampling: {self.rounds} rounds (train.max_gen_batches) of "
-                f"{self.generated // self.rounds} prompts (train.gen_prompts_per_step) gave "
+                f"dynamic sampling: {self.drawn} rounds (train.max_gen_batches) of "
+                f"{self.generated // self.drawn} prompts (train.gen_prompts_per_step) gave "
                 f"{have} of the {self.target} groups with a reward std >= "
                 f"train.dynamic_sampling_eps={self.eps} that a step needs, and {problem}. "
                 "Raise train.max_gen_batches or train.gen_prompts_per_step, or lower "
@@ -86,7 +86,7 @@ class StepRounds:
         log.warning(
             "dynamic sampling: %d rounds gave %d of %d groups with a reward signal; the step "
             "trains on those (raise train.max_gen_batches or train.gen_prompts_per_step)",
-            self.rounds,
+            self.drawn,
             have,
             self.target,
         )
@@ -97,7 +97,7 @@ class StepRounds:
         if not self.dynamic:
             return {}
         return {
-            "dynamic/rounds": float(self.rounds),
+            "dynamic/rounds": float(self.drawn),
             "dynamic/groups_generated": float(self.generated),
             "dynamic/groups_kept": float(min(len(self.kept), self.target)),
             "dynamic/cap_reached": float(self.cap_reached),

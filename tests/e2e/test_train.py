@@ -171,6 +171,12 @@ def test_one_process_with_vllm_writes_the_whole_run_folder(vllm_run):
         assert r["dynamic/groups_generated"] == 6 * r["dynamic/rounds"], r
         assert r["groups/frac_zero_std"] == 0, r
     assert max(r["dynamic/rounds"] for r in rows) > 1, "no step needed a second round"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(vllm_run / "tb"))
+    events.Reload()
+    rounds = [e.value for e in events.Scalars("dynamic/rounds")]
+    assert rounds == [r["dynamic/rounds"] for r in rows]
     assert rows[-1]["actor/kl"] > 0, "the policy never moved away from the reference"
     steps = sorted(p.name for p in (vllm_run / "checkpoints").iterdir())
     assert steps == ["step_00000002", "step_00000003"]  # run.keep_last=2
@@ -263,27 +269,19 @@ def samples(out: Path, step: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def dp2_run(tiny, tmp_path_factory) -> Path:
-    """torchrun at DP2 with dynamic sampling and vLLM (one engine, on rank 0): the reference of
-    the DP2 resume below."""
+    """The launcher's bash form (it starts torchrun) at DP2, with dynamic sampling and vLLM (one
+    engine, on rank 0): the reference of the DP2 resume below."""
     out = tmp_path_factory.mktemp("dp2") / "run"
+    env = {"NNODES": "1", "GPUS_PER_NODE": "2", "MASTER_PORT": str(free_port())}
     extra = ("run.verify_sync=1", "run.trace_engine=true", "rollout.sleep_level=2", *DYNAMIC)
-    code, log = launch([*torchrun(2), str(LAUNCHER), *train_args(tiny, out, *extra)])
+    code, log = launch(["bash", str(LAUNCHER), *train_args(tiny, out, *extra)], env=env)
     _check_two_process_run(out, code, log, {"tp": 1, "pp": 1, "dp": 2}, steps=3)
     return out
 
 
-def test_dp2_with_dynamic_sampling_trains_like_one_process(dp2_run, vllm_run):
+def test_bash_launcher_at_dp2_with_dynamic_sampling_trains_like_one_process(dp2_run, vllm_run):
     # each rank trains on 2 of the 4 kept groups; the rounds and groups are the same
     _same_as_one_process(dp2_run, metrics(dp2_run), vllm_run)
-
-
-def test_bash_launcher_at_dp2_with_the_torch_engine(tiny, tmp_path):
-    out = tmp_path / "run"
-    env = {"NNODES": "1", "GPUS_PER_NODE": "2", "MASTER_PORT": str(free_port())}
-    # the torch engine takes the streamed sync (the TP2 run above takes vLLM's shared buffer)
-    extra = ("run.verify_sync=1", "train.total_steps=2", "rollout.backend=torch")
-    code, log = launch(["bash", str(LAUNCHER), *train_args(tiny, out, *extra)], env=env)
-    _check_two_process_run(out, code, log, {"tp": 1, "pp": 1, "dp": 2}, steps=2)
 
 
 @pytest.mark.parametrize(

@@ -164,6 +164,10 @@ def test_engines_follow_rollout_replicas(capsys):
     assert engines("rollout.tp=2") == (4, kv_each)  # twice the sequences, half the KV heads
     one, kv_one = engines("rollout.replicas=per_node")
     assert one == 1 and kv_one == 8 * kv_each  # one engine samples all 144 sequences
+    # dynamic sampling: an engine holds a round of gen_prompts_per_step prompts at once (the
+    # recipe's prompts_per_step is 12)
+    rounds = ("train.dynamic_sampling=true", "train.gen_prompts_per_step=24")
+    assert engines(*rounds) == (8, 2 * kv_each)
 
 
 def test_plot_draws_every_phase(capsys, tmp_path):

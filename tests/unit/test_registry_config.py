@@ -119,7 +119,7 @@ def test_later_config_files_win_key_by_key(tmp_path):
 def test_batch_algebra_names_the_fix():
     cfg = load_config(overrides=["train.prompts_per_step=6", "train.group_size=2"])
     assert cfg.check_world(2) == 2 and cfg.rollout_steps == cfg.train.total_steps
-    with pytest.raises(ValueError, match="make train.prompts_per_step / train.ppo_mini_batches a"):
+    with pytest.raises(ValueError, match="split over dp=4 ranks: fit train.prompts_per_step"):
         cfg.check_world(4)
     with pytest.raises(ValueError, match="not a multiple of tp x pp = 2"):
         load_config(overrides=["parallel.tp=2"]).check_world(3)
