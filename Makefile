@@ -34,14 +34,13 @@ $(PEER): $(STAMP)
 
 # Every tier (pytest.ini: unit, dist, e2e, bench), on TEST_WORKERS pytest processes (xdist).
 # Alone, one pytest process keeps 1.2 of 2 cores busy: its launches wait on process start-up
-# and on each other. A module whose tests share a module-scoped fixture runs on one worker, as
-# one group (tests/conftest.py), so the fixture is built once. Each worker holds its own
-# distributed pools and engines: a worker more needs about 6 GiB more.
+# and on each other. An idle worker takes tests from the other's queue (worksteal). Each
+# worker holds its own distributed pools and engines: a worker more needs about 6 GiB more.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(PEER)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 # The inner loop: lint and the unit tier (one process, no engine), in well under two minutes.
 check: $(STAMP) $(PEER)

@@ -24,24 +24,12 @@ def pytest_collection_modifyitems(config, items):
                 f"{item.nodeid}: tests live in one of tests/{{{','.join(TIERS)}}}"
             )
         item.add_marker(TIERS[folder])
-        if _uses_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def _uses_a_module_fixture(item) -> bool:
-    """Whether the test needs a module-scoped fixture (a reference run, a gloo world, a tiny
-    model). `make test` runs xdist with --dist loadgroup: such a module's tests form one group,
-    run one after another on one worker, so that the fixture is built once. Scheduled test by
-    test, a worker that switched modules in between would tear it down and build it again
-    (three 30 s reference runs where one does)."""
-    definitions = item._fixtureinfo.name2fixturedefs.values()  # pytest has no public accessor
-    return any(defs[-1].scope == "module" for defs in definitions)
 
 
 def pytest_sessionfinish(session, exitstatus):

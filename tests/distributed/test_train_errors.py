@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.harness import run_distributed
+from tests.once import build_once
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
@@ -102,13 +103,17 @@ def _run_cases(rank, world_size, root: str, model: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def results(tmp_path_factory):
+    """Every case, once per session (`tests/once.py`): the run folders and each rank's
+    outcomes."""
     from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
-    root = tmp_path_factory.mktemp("errors")
-    model = save_tiny_qwen2(root / "tiny", end_tokens=32)
-    return root, run_distributed(_run_cases, 2, str(root), str(model), timeout=400)
+    def build(root: Path):
+        model = save_tiny_qwen2(root / "tiny", end_tokens=32)
+        return root, run_distributed(_run_cases, 2, str(root), str(model), timeout=400)
+
+    return build_once(tmp_path_factory, "train_errors", build)
 
 
 @pytest.mark.parametrize(

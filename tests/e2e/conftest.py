@@ -2,10 +2,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.once import build_once
 
-@pytest.fixture(scope="module")
+
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
-    """A tiny random Qwen2 whose completions end at varied lengths (`save_tiny_qwen2`)."""
+    """A tiny random Qwen2 whose completions end at varied lengths (`save_tiny_qwen2`), one
+    for the session (`tests/once.py`)."""
     from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
-    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "hf", end_tokens=32)
+    return build_once(tmp_path_factory, "tiny", lambda d: save_tiny_qwen2(d / "hf", end_tokens=32))

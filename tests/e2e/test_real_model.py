@@ -15,18 +15,24 @@ import pytest
 
 from tests.distributed.harness import run_tool
 from tests.e2e.test_train import REPO, launch, torchrun
+from tests.once import build_once
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
-    """The import tool's main on a persistent worker; its command runs in the cache test."""
-    out = tmp_path_factory.mktemp("smollm2") / "hf"
-    code, log = run_tool("import_gguf.py", 1, "--out", str(out))
-    assert code == 0, log[-3000:]
-    config = json.loads((out / "config.json").read_text())
-    assert (config["num_hidden_layers"], config["num_key_value_heads"]) == (30, 3)
-    assert config["tie_word_embeddings"] and config["vocab_size"] == 49152
-    return out
+    """The import tool's main on a persistent worker, once per session (`tests/once.py`); its
+    command runs in the cache test."""
+
+    def build(folder: Path) -> Path:
+        out = folder / "hf"
+        code, log = run_tool("import_gguf.py", 1, "--out", str(out))
+        assert code == 0, log[-3000:]
+        config = json.loads((out / "config.json").read_text())
+        assert (config["num_hidden_layers"], config["num_key_value_heads"]) == (30, 3)
+        assert config["tie_word_embeddings"] and config["vocab_size"] == 49152
+        return out
+
+    return build_once(tmp_path_factory, "smollm2", build)
 
 
 LAYERS = "4"  # the real model's first 4 layers (PP2 and TP3 divide them): the checks in seconds

@@ -23,6 +23,7 @@ import pytest
 from cwgrpo_megatron.megatron.launch import free_port
 from tests.e2e.test_train import DYNAMIC, LAUNCHER, metrics, samples, train_args, without_timings
 from tests.engine_calls import expected_calls, replica_calls
+from tests.once import build_once
 
 ARGS = (
     "run.verify_sync=1",
@@ -76,17 +77,22 @@ def launch_nodes(
     return results
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_node(tiny, tmp_path_factory) -> Path:
-    """The reference: one launch of 4 processes at TP2 x DP2, one engine (on rank 0)."""
-    out = tmp_path_factory.mktemp("one_node") / "run"
-    ((code, log),) = launch_nodes(1, 4, train_args(tiny, out, "parallel.tp=2", *ARGS))
-    assert code == 0, log
-    assert "1 engine replicas" in log
-    # at TP2 x DP2 the one engine (rank 0's) sleeps after its rollouts, its weights wake for
-    # the sync, its KV cache after it; the evaluation comes when it is awake again
-    assert replica_calls(out / "engine_calls.jsonl", 0) == STEPS
-    return out
+    """The reference: one launch of 4 processes at TP2 x DP2, one engine (on rank 0), built
+    once per session (`tests/once.py`)."""
+
+    def build(folder: Path) -> Path:
+        out = folder / "run"
+        ((code, log),) = launch_nodes(1, 4, train_args(tiny, out, "parallel.tp=2", *ARGS))
+        assert code == 0, log
+        assert "1 engine replicas" in log
+        # at TP2 x DP2 the one engine (rank 0's) sleeps after its rollouts, its weights wake
+        # for the sync, its KV cache after it; the evaluation comes when it is awake again
+        assert replica_calls(out / "engine_calls.jsonl", 0) == STEPS
+        return out
+
+    return build_once(tmp_path_factory, "one_node", build)
 
 
 def _two_nodes(tiny, out: Path, *extra: str) -> list[dict]:

@@ -20,6 +20,7 @@ import pytest
 from cwgrpo_megatron.megatron.launch import free_port
 from tests.distributed.harness import run_tool
 from tests.engine_calls import expected_calls, replica_calls
+from tests.once import build_once
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "examples" / "train_cwgrpo_7b.sh"
@@ -149,16 +150,20 @@ def check_run_folder(out: Path, steps: int) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_run(tiny, tmp_path_factory) -> Path:
     """The reference: 3 steps with the vLLM engine and dynamic sampling in one process, a
-    checkpoint every step."""
-    out = tmp_path_factory.mktemp("vllm") / "run"
-    code, log = launch(python_train(tiny, out, "run.verify_sync=1", *DYNAMIC))
-    assert code == 0, log
-    for warning in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
-        assert warning not in log, "megatron-core's TE / Apex fallback warnings are back"
-    return out
+    checkpoint every step (built once per session, `tests/once.py`)."""
+
+    def build(folder: Path) -> Path:
+        out = folder / "run"
+        code, log = launch(python_train(tiny, out, "run.verify_sync=1", *DYNAMIC))
+        assert code == 0, log
+        for warning in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+            assert warning not in log, "megatron-core's TE / Apex fallback warnings are back"
+        return out
+
+    return build_once(tmp_path_factory, "vllm_run", build)
 
 
 def test_one_process_with_vllm_writes_the_whole_run_folder(vllm_run):
@@ -267,16 +272,20 @@ def samples(out: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dp2_run(tiny, tmp_path_factory) -> Path:
     """The launcher's bash form (it starts torchrun) at DP2, with dynamic sampling and vLLM (one
-    engine, on rank 0): the reference of the DP2 resume below."""
-    out = tmp_path_factory.mktemp("dp2") / "run"
-    env = {"NNODES": "1", "GPUS_PER_NODE": "2", "MASTER_PORT": str(free_port())}
-    extra = ("run.verify_sync=1", "run.trace_engine=true", "rollout.sleep_level=2", *DYNAMIC)
-    code, log = launch(["bash", str(LAUNCHER), *train_args(tiny, out, *extra)], env=env)
-    _check_two_process_run(out, code, log, {"tp": 1, "pp": 1, "dp": 2}, steps=3)
-    return out
+    engine, on rank 0): the reference of the DP2 resume below (built once per session)."""
+
+    def build(folder: Path) -> Path:
+        out = folder / "run"
+        env = {"NNODES": "1", "GPUS_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+        extra = ("run.verify_sync=1", "run.trace_engine=true", "rollout.sleep_level=2", *DYNAMIC)
+        code, log = launch(["bash", str(LAUNCHER), *train_args(tiny, out, *extra)], env=env)
+        _check_two_process_run(out, code, log, {"tp": 1, "pp": 1, "dp": 2}, steps=3)
+        return out
+
+    return build_once(tmp_path_factory, "dp2_run", build)
 
 
 def test_bash_launcher_at_dp2_with_dynamic_sampling_trains_like_one_process(dp2_run, vllm_run):
