@@ -48,6 +48,9 @@ class StepRounds:
     drawn: int = 0
     """Rounds so far (the next round's index)."""
     generated: int = 0
+    reward_sum: float = 0.0
+    """Of every completion generated, kept or not."""
+    completions: int = 0
     kept: list = field(default_factory=list)
 
     @property
@@ -61,6 +64,8 @@ class StepRounds:
         """One round's scored groups (`reward.scoring.ScoredGroup`), in prompt order."""
         self.drawn += 1
         self.generated += len(groups)
+        self.reward_sum += sum(r for g in groups for r in g.rewards)
+        self.completions += sum(len(g.rewards) for g in groups)
         self.kept += [g for g in groups if self.eps is None or reward_std(g.rewards) >= self.eps]
 
     @property
@@ -93,7 +98,10 @@ class StepRounds:
         return self.kept
 
     def metrics(self) -> dict[str, float]:
-        """dynamic/* (none without dynamic sampling)."""
+        """dynamic/* (none without dynamic sampling). reward/mean is that of the trained
+        groups, which leave out the all-right ones; dynamic/reward_generated is the mean over
+        every completion the rounds generated: the policy's reward, as without dynamic
+        sampling."""
         if not self.dynamic:
             return {}
         return {
@@ -101,4 +109,5 @@ class StepRounds:
             "dynamic/groups_generated": float(self.generated),
             "dynamic/groups_kept": float(min(len(self.kept), self.target)),
             "dynamic/cap_reached": float(self.cap_reached),
+            "dynamic/reward_generated": self.reward_sum / max(self.completions, 1),
         }
