@@ -174,6 +174,7 @@ def test_one_process_with_vllm_writes_the_whole_run_folder(vllm_run):
     for r in rows:
         assert r["dynamic/groups_kept"] == 4 and r["dynamic/cap_reached"] == 0, r
         assert r["dynamic/groups_generated"] == 6 * r["dynamic/rounds"], r
+        assert "dynamic/reward_generated" in r, r
         assert r["groups/frac_zero_std"] == 0, r
     assert max(r["dynamic/rounds"] for r in rows) > 1, "no step needed a second round"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
