@@ -1,6 +1,7 @@
 """The trainer end to end on a tiny random Qwen2, as users start it: `python -m
 cwgrpo_megatron.train`, torchrun on the launcher, the launcher's bash form, resume after
-SIGKILL, the HF export."""
+SIGKILL, the HF export. The vLLM runs use dynamic sampling (`DYNAMIC`), so its rounds are
+checked at TP2 and DP2 against one process, and across a SIGKILL in one process and at DP2."""
 
 from __future__ import annotations
 
