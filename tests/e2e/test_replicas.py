@@ -2,8 +2,7 @@
 machine (`--nnodes 2 --node-rank {0,1}`), each with 2 processes and one vLLM engine, against
 one launch of 4 processes (one node, one engine). Tiny random Qwen2, configs/tiny_cpu.yaml.
 Both trace their engines' calls at rollout.sleep_level=2 (traced on CPU, where it frees
-nothing), sample with dynamic sampling (its rounds split over the replicas like any step's
-prompts), and evaluate after the last step: the two engines' evaluation equals the one's."""
+nothing), and evaluate after the last step: the two engines' evaluation equals the one's."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ import psutil
 import pytest
 
 from cwgrpo_megatron.megatron.launch import free_port
-from tests.e2e.test_train import DYNAMIC, LAUNCHER, metrics, samples, train_args, without_timings
+from tests.e2e.test_train import LAUNCHER, metrics, samples, train_args, without_timings
 from tests.engine_calls import expected_calls, replica_calls
 from tests.once import build_once
 
@@ -30,7 +29,6 @@ ARGS = (
     "train.total_steps=2",
     "run.trace_engine=true",
     "rollout.sleep_level=2",
-    *DYNAMIC,  # each round split over the replicas; the kept groups must not depend on it
 )
 STEPS = expected_calls([1, 2], 2, eval_steps=[2])  # the last step evaluates
 
