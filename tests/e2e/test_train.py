@@ -255,12 +255,13 @@ def test_torchrun_on_the_launcher_at_tp2_trains_like_one_process(tiny, vllm_run,
     rows = _check_two_process_run(out, code, log, {"tp": 2, "pp": 1, "dp": 1}, steps=3)
     # the same seeds give the same completions, the same rounds and groups kept, and TP
     # changes only the order of fp32 sums
-    _same_as_one_process(out, rows, vllm_run)
+    same_run_as(out, rows, vllm_run)
 
 
-def _same_as_one_process(out: Path, rows: list[dict], reference: Path) -> None:
-    """The same completions step by step, and every value of every step agrees with the
-    one-process run (the engines' gaps aside)."""
+def same_run_as(out: Path, rows: list[dict], reference: Path) -> None:
+    """The same completions step by step as the `reference` run (another layout or placement),
+    and every value of every step within the fp32 order of its sums (the engines' gaps
+    aside)."""
     for step in range(1, len(rows) + 1):
         assert samples(out, step) == samples(reference, step), f"step {step}"
     for ours, single in zip(
@@ -316,7 +317,7 @@ def test_sigkill_then_resume_writes_the_uninterrupted_metrics(
         assert without_timings(metrics(out)) == without_timings(metrics(vllm_run))
     else:
         assert json.loads((out / "env.json").read_text())["layout"]["dp"] == 2
-        _same_as_one_process(out, metrics(out), vllm_run)
+        same_run_as(out, metrics(out), vllm_run)
     # the engine's calls: the killed run's are the start of an uninterrupted run's (step 2's
     # rollouts and sleep at least); the resumed run loads step 1's weights into its fresh
     # engine, then runs steps 2 and 3 in the same order (step 3 evaluates)
