@@ -130,7 +130,7 @@ def _resume(cfg: Config, run: RunDir, actor: Actor, state: LoopState, group) -> 
         return None
     with fail_together(f"resuming from {found}", group):
         data_state = train_checkpoint.load(actor, found)
-        state.load_state_dict(data_state["loop"])
+        state.load_state_dict(data_state["loop"], train_checkpoint.load_objects(found))
         if actor.step != state.step * cfg.train.ppo_mini_batches:
             raise ValueError(
                 f"{found} holds {actor.step} optimizer steps for {state.step} rollout steps: "

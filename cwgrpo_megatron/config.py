@@ -394,6 +394,11 @@ class Config:
                 f"reward.overlong_buffer_tokens={buffer} exceeds rollout.max_tokens="
                 f"{r.max_tokens}: the penalty would start before the first token; lower it"
             )
+        if r.async_steps and t.dynamic_sampling:
+            raise ValueError(
+                "rollout.async_steps=1 with train.dynamic_sampling=true is not built (a step's "
+                "rounds would need the previous step's result): turn one of them off"
+            )
         if "heldout" in self.eval.benchmarks and d.heldout_size == 0:
             raise ValueError(
                 "eval.benchmarks names heldout but data.heldout_size=0: set data.heldout_size"

@@ -12,7 +12,9 @@ step 10 is `components.sync.WeightSync`):
                    scored once in the whole job; one all-gather then gives every rank the round.
                    Steps 1-3 repeat while dynamic sampling (`data.dynamic_sampling`) lacks
                    groups with a reward signal; then the engines sleep (rollout.sleep_level)
-                   while the trainer works
+                   while the trainer works. With rollout.async_steps = 1, steps 1-3 of step
+                   k+1 run in the background during steps 4-9 of step k, with the weights
+                   after step k-1 (policy lag 1), and are gathered before step 10
     4. advantages  per group, and the TrainBatch (identical on every rank)
     5-9.           `train_step`: micro-batches, forward-only pass, scope statistics, 1F1B
                    training pass, optimizer step, metrics reduced once
@@ -54,7 +56,7 @@ from cwgrpo_megatron.run.step_metrics import (
 
 if TYPE_CHECKING:
     from cwgrpo_megatron.components.inputs import Inputs
-    from cwgrpo_megatron.components.rollouts import Rollouts
+    from cwgrpo_megatron.components.rollouts import Rollouts, StepRollouts
     from cwgrpo_megatron.components.sync import WeightSync
     from cwgrpo_megatron.megatron.train_step import Actor
     from cwgrpo_megatron.reward.scoring import ScoredGroup
@@ -65,19 +67,29 @@ if TYPE_CHECKING:
 @dataclass
 class LoopState:
     """What a resumed run needs besides the actor's checkpoint (model, optimizer, LR schedule,
-    every rank's RNG): the steps done and the prompt sampler's position after the step's last
-    round. Rollout seeds are a function of (train.seed, step, round, prompt), so nothing of the
-    engine's history is needed."""
+    every rank's RNG): the steps done, the prompt sampler's position after the last round drawn,
+    and the next step's rollouts when they were made ahead (rollout.async_steps = 1). Rollout
+    seeds are a function of (train.seed, step, round, prompt), so nothing of the engine's
+    history is needed."""
 
     step: int
     sampler: PromptSampler
+    ahead: StepRollouts | None = None
+    """Step `step + 1`'s scored groups, made during step `step` (token ids, sampling
+    log-probs, rewards: small beside the model)."""
 
     def state_dict(self) -> dict:
         return {"step": self.step, "sampler": self.sampler.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def objects(self) -> dict:
+        """What the checkpoint keeps beside `state_dict` (`train_checkpoint.save`'s
+        data_objects)."""
+        return {"ahead": self.ahead} if self.ahead is not None else {}
+
+    def load_state_dict(self, state: dict, objects: dict | None = None) -> None:
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
+        self.ahead = (objects or {}).get("ahead")
 
 
 @dataclass(kw_only=True)
@@ -109,18 +121,18 @@ class Trainer:
         """Step `state.step + 1`, phase by phase (the module docstring); its metrics line."""
         cfg, timer, step = self.cfg, PhaseTimer(), self.state.step + 1
         with timer("step"):
-            rounds = self.rollouts.rounds()
-            while rounds.want_more():
-                prompts = self.rollouts.draw(step, rounds.drawn)
-                with timer("rollout"):
-                    groups = self.rollouts.generate(prompts)
-                with timer("reward"):
-                    rounds.add(self.rollouts.score(prompts, groups))
+            self.rollouts.at_step(step)
+            made = self.state.ahead or self.rollouts.collect(step, timer=timer)
+            ahead = None
+            if cfg.rollout.async_steps and step < cfg.rollout_steps:
+                ahead = self.rollouts.start(step + 1)
             with timer("sleep"):
                 self.rollouts.sleep()
-            scored = rounds.batch()
+            scored = made.scored
             batch = self.advantages(scored)
             results = train_step(self.actor, batch, timer=timer)
+            with timer("rollout_wait"):  # the background generation's part not hidden
+                self.state.ahead = ahead.finish() if ahead else None
             model, engine = self.actor.model, self.rollouts.engine
             with timer("wake"):
                 self.rollouts.wake("weights")
@@ -130,8 +142,8 @@ class Trainer:
                 self.rollouts.wake("kv_cache")
             with timer("sync"):
                 checked = self.sync.check(model, engine, step=step)
-            metrics = {**rollout_metrics(scored), **rounds.metrics(), **actor_metrics(results)}
-            metrics.update({**pushed, **checked})
+            metrics = {**rollout_metrics(scored), **made.metrics, **actor_metrics(results)}
+            metrics.update({"rollout/policy_lag": float(made.lag(step)), **pushed, **checked})
             self.write_samples(step, scored)
             if _due(step, cfg.run.eval_every, cfg.rollout_steps) and self.cfg.eval.benchmarks:
                 with timer("eval"):
@@ -139,9 +151,11 @@ class Trainer:
             self.state.step = step
             if _due(step, cfg.run.save_every, cfg.rollout_steps, always_last=True):
                 with timer("checkpoint"):
-                    partial = timing_metrics(timer.seconds, tokens=step_tokens(scored))
+                    seconds = {**made.seconds, **timer.seconds}  # ahead: timed in its thread
+                    partial = timing_metrics(seconds, tokens=step_tokens(scored))
                     self.save({"step": step, **metrics, **partial})
-        metrics.update(timing_metrics(timer.seconds, tokens=step_tokens(scored)))
+        seconds = {**made.seconds, **timer.seconds}
+        metrics.update(timing_metrics(seconds, tokens=step_tokens(scored)))
         self.tracker.log(step, metrics, histograms={"cw/cov": cov_histogram(results)})
         return metrics
 
@@ -202,6 +216,7 @@ class Trainer:
             keep_last=self.cfg.run.keep_last,
             config=dataclasses.asdict(self.cfg),
             side_files_from=self.cfg.model.path,
+            data_objects=self.state.objects(),
         )
         if self.cfg.run.export_hf == "on_save":
             self.export()

@@ -8,9 +8,10 @@
 
 Prints, for the most-loaded GPU: parameters, gradient buffer and optimizer state (exactly as
 Megatron-Core allocates them), the reference model (kl_beta > 0), the activations of the
-micro-batches 1F1B keeps in flight at the config's micro-batch and recompute, vLLM's share when
-colocated, the peak of each phase of a step (rollout, old_logp, train, wake: the engine's
-weights back for the sync) and the verdict against capacity. --gpu-gib is the GPU's total
+micro-batches 1F1B keeps in flight at the config's micro-batch and recompute, vLLM's share (of
+the trainer's GPUs when colocated, of its own with rollout.placement=separate), the peak of
+each phase of a step (rollout, old_logp, train, wake: the engine's weights back for the sync)
+and the verdict against capacity. --gpu-gib is the GPU's total
 memory, of which vLLM takes rollout.gpu_memory_utilization. --search lists every layout (tp,
 pp, micro-batch size, recompute) that fits, fastest first by `planner.step_seconds` (an
 ordering rule, not a prediction). --json prints one JSON object. --plot draws the phases
@@ -61,7 +62,7 @@ def report(arch: ModelArch, p: planner.Plan) -> str:
             f"{min(s.pp, p.micro_batches)} micro-batch(es) in flight on stage 0 + backward",
         ),
         (
-            "vLLM reservation",
+            "vLLM reservation" if s.colocated else "vLLM, on its own GPUs",
             v.reserved,
             f"weights {v.weights / planner.GiB:.2f} at rollout tp={s.rollout_tp}, "
             f"{p.engines} engine(s); KV cache "
@@ -71,9 +72,11 @@ def report(arch: ModelArch, p: planner.Plan) -> str:
         ),
         ("reserve (CUDA context, NCCL)", planner.RESERVE, ""),
     ]
+    engines = "" if s.colocated else f" (+ {s.engine_gpus_per_node} engine GPUs a node)"
     lines = [
         f"{planner.params_total(arch):,} parameters; tp={s.tp} pp={s.pp} dp={p.dp} on "
-        f"{c.nodes} x {c.gpus_per_node} GPUs of {c.gpu_gib:g} GiB ({s.spec} layer spec)",
+        f"{c.nodes} x {c.gpus_per_node} GPUs{engines} of {c.gpu_gib:g} GiB ({s.spec} layer "
+        "spec)",
         f"micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {s.recompute}, "
         f"{p.micro_batches} micro-batches per DP rank; each figure on its most-loaded of "
         f"{s.pp} stage(s)",
@@ -166,7 +169,6 @@ def main(argv=None) -> int:
     parser.add_argument("--spec", choices=planner.SPECS, default="te",
                         help="te: Transformer Engine on GPU (default); local: Megatron's local "
                         "spec, as on CPU")  # fmt: skip
-    parser.add_argument("--not-colocated", action="store_true", help="vLLM on other GPUs")
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
     parser.add_argument("--top", type=int, default=15, help="rows of --search")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
         cluster = planner.Cluster(
             nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_gib=args.gpu_gib
         )
-        changes = dict(spec=args.spec, colocated=not args.not_colocated)
+        changes = dict(spec=args.spec)
         if args.rollout_tp is not None:  # else the config's rollout.tp
             changes["rollout_tp"] = args.rollout_tp
         setting = planner.Setting.from_config(cfg, **changes)

@@ -26,7 +26,13 @@ attention instead of its internals; full keeps each chunk's input hidden state [
 rebuilds one chunk at a time in backward. 1F1B keeps min(pp - stage, micro-batches)
 micro-batches in flight on a stage.
 
-**vLLM** (`vllm_bytes`), when colocated: vLLM reserves gpu_memory_utilization x the GPU's
+**Placement.** Colocated (rollout.placement=colocated), the engines share the trainer's GPUs and
+the phases below add vLLM's bytes. Separate (`Setting.engine_gpus_per_node` > 0), each node's
+last engine_gpus_per_node GPUs hold only engines, one per rollout_tp of them: the trainer's
+layout is planned on the other GPUs (`Setting.trainer_cluster`), its phases hold no vLLM
+bytes, and `Plan.vllm` is an engine's share of its own GPU, which must hold its weights.
+
+**vLLM** (`vllm_bytes`): vLLM reserves gpu_memory_utilization x the GPU's
 total memory at start (`Cluster.gpu_gib` is that total); its weights (HF count, engine dtype, /
 rollout TP) must fit in it, and what is left is KV cache (2 L kv_heads head_dim bytes per
 token, / rollout TP). A KV cache smaller than the engine's sequences at max_model_len does not
@@ -348,7 +354,7 @@ def activation_bytes(
 @dataclass(frozen=True)
 class VllmShare:
     reserved: int
-    """gpu_memory_utilization x capacity, held from engine start (0 when not colocated)."""
+    """gpu_memory_utilization x capacity, held from engine start."""
     weights: int
     kv_needed: int
     """The KV cache for this engine's rollout sequences at max_model_len."""
@@ -468,13 +474,38 @@ class Setting:
     sleep_level: int = 2
     """rollout.sleep_level as it resolves on GPUs (None there is 2)."""
     engine_dtype: str = "bfloat16"
-    colocated: bool = True
+    engine_gpus_per_node: int = 0
+    """0: colocated; else rollout.gpus_per_node of separate placement."""
+
+    @property
+    def colocated(self) -> bool:
+        return self.engine_gpus_per_node == 0
+
+    def trainer_cluster(self, cluster: Cluster) -> Cluster:
+        """The GPUs the trainer's layout spans: all of them when colocated, else each node's
+        GPUs but its engines'."""
+        if self.colocated:
+            return cluster
+        left = cluster.gpus_per_node - self.engine_gpus_per_node
+        if left < 1:
+            raise ValueError(
+                f"rollout.gpus_per_node={self.engine_gpus_per_node} leaves the trainer none of "
+                f"a node's {cluster.gpus_per_node} GPUs: lower it"
+            )
+        return dataclasses.replace(cluster, gpus_per_node=left)
 
     def engines(self, cluster: Cluster) -> int:
         """How many engines the job runs: the trainer's own placement (`Replicas.place`) on
         the cluster's GPUs, with its errors for a split that cannot work."""
-        nodes = [node for node in range(cluster.nodes) for _ in range(cluster.gpus_per_node)]
-        placed = Replicas.place(nodes, self.replicas, engine_tp=self.rollout_tp, cuda=True)
+        per_node = self.trainer_cluster(cluster).gpus_per_node
+        nodes = [node for node in range(cluster.nodes) for _ in range(per_node)]
+        placed = Replicas.place(
+            nodes,
+            self.replicas,
+            engine_tp=self.rollout_tp,
+            cuda=True,
+            engine_gpus=self.engine_gpus_per_node,
+        )
         return len(placed.groups)
 
     @classmethod
@@ -506,6 +537,7 @@ class Setting:
             engine_dtype=cfg.engine_dtype,
             rollout_tp=r.tp,
             replicas=r.replicas,
+            engine_gpus_per_node=r.gpus_per_node if r.separate else 0,
         )
         values.update(changes)
         return cls(**values)
@@ -515,6 +547,7 @@ class Setting:
 class Plan:
     setting: Setting
     cluster: Cluster
+    """The trainer's GPUs (`Setting.trainer_cluster`: all of them when colocated)."""
     dp: int
     micro_batches: int
     """Micro-batches per DP rank and mini-batch."""
@@ -564,7 +597,7 @@ class Plan:
                 "optimizer": self.state.optimizer,
                 "ref_model": self.ref_model,
                 "activations": self.activations,
-                "vllm": self.vllm.reserved,
+                "vllm": self.vllm.reserved if self.setting.colocated else 0,
                 "peak": self.peak,
                 "capacity": self.cluster.capacity,
                 "fits": self.fits,
@@ -577,6 +610,8 @@ class Plan:
                 "tp": self.setting.rollout_tp,
                 "engines_per_node": max(1, self.engines // self.cluster.nodes),
                 "sleep_level": self.setting.sleep_level,
+                "placement": "colocated" if self.setting.colocated else "separate",
+                "engine_gpus_per_node": self.setting.engine_gpus_per_node,
             },
             "vllm": dataclasses.asdict(self.vllm) | {"concurrency": self.vllm.concurrency},
         }
@@ -584,6 +619,8 @@ class Plan:
 
 def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
     """The data-parallel size; ValueError naming valid values when the layout cannot work."""
+    setting.engines(cluster)  # a placement that cannot work fails here, as the trainer's would
+    cluster = setting.trainer_cluster(cluster)
     tp, pp = setting.tp, setting.pp
     arch.check_layout(tp=tp, pp=pp)
     if cluster.world % (tp * pp):
@@ -605,7 +642,6 @@ def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
             f"micro-batches of {setting.micro_batch_size}"
         )
     rtp = setting.rollout_tp
-    setting.engines(cluster)  # a placement that cannot work fails here, as the trainer's would
     if arch.num_kv_heads % rtp and rtp % arch.num_kv_heads:
         raise ValueError(
             f"rollout tp={rtp} and num_key_value_heads={arch.num_kv_heads}: "
@@ -628,14 +664,15 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
     """Bytes per GPU by phase for `setting` on `cluster`: each figure, and each phase's peak,
     on its most-loaded pipeline stage."""
     dp = check_layout(arch, setting, cluster)
+    engines = setting.engines(cluster)
+    cluster = setting.trainer_cluster(cluster)
     tp, pp = setting.tp, setting.pp
     rows = setting.sequences_per_step // setting.mini_batches // dp
     micro = rows // setting.micro_batch_size
-    engines = setting.engines(cluster)
     vllm = vllm_bytes(
         arch,
         capacity=cluster.capacity,
-        utilization=setting.utilization if setting.colocated else 0.0,
+        utilization=setting.utilization,
         rollout_tp=setting.rollout_tp,
         sequences=-(-(setting.rollout_sequences or setting.sequences_per_step) // engines),
         max_model_len=setting.max_model_len,
@@ -686,11 +723,12 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
             "reserve": RESERVE,
         }
         activations = {"old_logp": act.forward_working, "train": train_act}
+        beside = vllm.parts if setting.colocated else lambda phase: {}
         parts = {
-            phase: resident | {"activations": activations.get(phase, 0)} | vllm.parts(phase)
+            phase: resident | {"activations": activations.get(phase, 0)} | beside(phase)
             for phase in PHASES
         }
-        if vllm.reserved:
+        if vllm.reserved and setting.colocated:
             parts["wake"]["sync buffers"] = sync_bytes(
                 arch, dtype=setting.engine_dtype, pp=pp, nodes=cluster.nodes
             )
@@ -763,10 +801,10 @@ def search(
 ) -> list[tuple[float, Plan]]:
     """Every (tp, pp, micro_batch_size, recompute) whose plan fits, fastest first by
     `step_seconds`. tp stays inside a node; vLLM's layout is `base`'s."""
-    found = []
-    for tp in range(1, cluster.gpus_per_node + 1):
+    found, trainer = [], base.trainer_cluster(cluster)
+    for tp in range(1, trainer.gpus_per_node + 1):
         for pp in range(1, arch.num_layers + 1):
-            if cluster.world % (tp * pp) or arch.num_layers % pp:
+            if trainer.world % (tp * pp) or arch.num_layers % pp:
                 continue
             for mbs in micro_batch_sizes:
                 for recompute in RECOMPUTE:

@@ -8,16 +8,26 @@ after the rollouts, wake for the sync).
 Prompt j of round r of step k is sampled with `rollout_seed(train.seed, k, r * R + j)` (R
 prompts per round), whatever the layout, the number of replicas or the history, and each
 completion is scored once in the whole job, by the owner of the replica that sampled it.
+
+A step's rollouts come either now (`collect`: its rounds, each generated, scored and gathered),
+or ahead of it (`start` during the previous step, `Ahead.finish` after it, with
+rollout.async_steps = 1): the owners generate and score their share in a background thread,
+which makes no collective, while the trainer's thread trains; the one all-gather comes when
+the trainer's step is done. The engines run on devices of their own then
+(rollout.placement=separate; on CPU `build` binds them and the trainer to their cores).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -42,6 +52,7 @@ from cwgrpo_megatron.rollout import (
     sampling_config,
 )
 from cwgrpo_megatron.rollout.base import RolloutGroup, SamplingConfig, rollout_seed
+from cwgrpo_megatron.rollout.placement import bind_process, split_cores
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.rollout.trace import TracedEngine
 from cwgrpo_megatron.run.run_dir import RunDir
@@ -57,6 +68,46 @@ class StepPrompts(NamedTuple):
     problems: list[Problem]
     token_ids: list[list[int]]
     seeds: list[int]
+
+
+@dataclass(kw_only=True)
+class StepRollouts:
+    """A step's scored groups (the same on every rank) and how they were made."""
+
+    scored: list[ScoredGroup]
+    policy_step: int
+    """The trainer's steps done when they were sampled: the engines held the weights after it.
+    Trained at step k, the policy lag is k - 1 - policy_step."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Their dynamic/* metrics (`StepRounds.metrics`)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Generation and scoring seconds ("rollout", "reward"): of the slowest owner when made
+    ahead, in the background."""
+
+    def lag(self, step: int) -> int:
+        return step - 1 - self.policy_step
+
+
+@dataclass
+class Ahead:
+    """A step's rollouts in the making in this rank's background thread (`Rollouts.start`)."""
+
+    step: int
+    policy_step: int
+    future: concurrent.futures.Future
+
+    def finish(self) -> StepRollouts:
+        """Wait for this rank's share, then one all-gather gives every rank the step's groups;
+        a failure on any owner (a dead engine, a reward error) raises on every rank."""
+        pieces = all_gather_or_fail(
+            self.future.result, f"generating step {self.step}'s rollouts ahead", world_group()
+        )
+        scored = sorted((g for groups, _ in pieces for g in groups), key=lambda g: g.position)
+        seconds = {
+            phase: max(times.get(phase, 0.0) for _, times in pieces)
+            for phase in ("rollout", "reward")
+        }
+        return StepRollouts(scored=scored, policy_step=self.policy_step, seconds=seconds)
 
 
 @dataclass(kw_only=True)
@@ -84,7 +135,9 @@ class Rollouts:
             cfg.rollout.replicas,
             engine_tp=cfg.rollout.tp,
             cuda=torch.cuda.is_available(),
+            engine_gpus=cfg.rollout.gpus_per_node if cfg.rollout.separate else 0,
         )
+        _check_separate_gpus(cfg, replicas)
         if len(replicas.groups) > 1 and cfg.rollout.backend != "vllm":
             raise ValueError(
                 f"rollout.backend={cfg.rollout.backend} has no shared weight buffer, which "
@@ -130,6 +183,7 @@ class Rollouts:
         replica = replicas.owned_by(dist.get_rank())
         engine = reward = None
         with fail_together("starting the rollout engines", group):
+            cores = _core_split(cfg.rollout, replicas)
             if replica is not None:
                 engine = build_engine(
                     cfg.rollout,
@@ -137,11 +191,21 @@ class Rollouts:
                     dtype=cfg.engine_dtype,
                     seed=cfg.train.seed,
                     devices=replicas.devices(replica),
+                    cpu_cores=cores.engine if cores else None,
                 )
                 engines.callback(engine.shutdown)
                 check_engine(engine, inputs.arch)
                 if cfg.run.trace_engine:
                     engine = TracedEngine(engine, run.engine_calls, replica=replica)
+            if cores is not None:  # after the engines started: they inherit no trainer mask
+                bind_process(os.getpid(), cores.trainer)
+                torch.set_num_threads(min(torch.get_num_threads(), len(cores.trainer)))
+                log.info(
+                    "rollout.placement=separate: rank %d on cores %s%s",
+                    dist.get_rank(),
+                    cores.trainer,
+                    f", its engine on cores {cores.engine}" if engine is not None else "",
+                )
         if replica is not None:
             reward = build_reward(
                 cfg.reward, workers=_reward_workers(replicas), max_tokens=cfg.rollout.max_tokens
@@ -176,6 +240,54 @@ class Rollouts:
             max_rounds=t.max_gen_batches if t.dynamic_sampling else 1,
             eps=t.dynamic_sampling_eps if t.dynamic_sampling else None,
             split_problem=self.split_problem,
+        )
+
+    def collect(self, step: int, *, timer) -> StepRollouts:
+        """Steps 1-3 now, with the weights after step - 1: round after round (one without
+        dynamic sampling) of prompts drawn, generated and scored, until `rounds` has its
+        groups; timed as "rollout" and "reward"."""
+        rounds = self.rounds()
+        while rounds.want_more():
+            prompts = self.draw(step, rounds.drawn)
+            with timer("rollout"):
+                groups = self.generate(prompts)
+            with timer("reward"):
+                rounds.add(self.score(prompts, groups))
+        return StepRollouts(scored=rounds.batch(), policy_step=step - 1, metrics=rounds.metrics())
+
+    def start(self, step: int) -> Ahead:
+        """Steps 1-3 of `step` in the background during step - 1 (rollout.async_steps = 1;
+        one round, no dynamic sampling), with the weights the engines hold: those after step
+        - 2. The prompts are drawn here, on the calling thread, so the sampler moves as in a
+        synchronous run; a thread of this rank then generates and scores its share, and makes
+        no collective."""
+        prompts = self.draw(step)
+        self.at_step(step - 1)  # the calls of this thread are step's, the trainer's step - 1's
+        engine = self.engine.labeled(step) if isinstance(self.engine, TracedEngine) else self.engine
+        sampling = sampling_config(self.rollout, temperature=self.train.temperature)
+
+        def work() -> tuple[list[ScoredGroup], dict[str, float]]:
+            if not prompts.positions:
+                return [], {}
+            began = time.perf_counter()
+            groups = engine.generate(
+                prompts.token_ids, self.train.group_size, sampling, seeds=prompts.seeds
+            )
+            generated = time.perf_counter()
+            scored = score_groups(
+                prompts.positions,
+                prompts.problems,
+                groups,
+                tokenizer=self.inputs.tokenizer,
+                reward=self.reward,
+            )
+            seconds = {"rollout": generated - began, "reward": time.perf_counter() - generated}
+            return scored, seconds
+
+        return Ahead(
+            step=step,
+            policy_step=step - 2,
+            future=_in_background(work, name=f"cwgrpo-rollouts-step-{step}"),
         )
 
     def draw(self, step: int, round_index: int = 0) -> StepPrompts:
@@ -289,6 +401,56 @@ class Rollouts:
         with fail_together(f"waking the rollout engines' {tag}", world_group()):
             if self.engine is not None:
                 self.engine.wake([tag])
+
+
+def _in_background(work: Callable, *, name: str) -> concurrent.futures.Future:
+    """`work()` in a daemon thread (a run that fails meanwhile does not wait for it at exit);
+    its result or exception in the returned future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as err:  # handed to the trainer's thread, which raises it
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def _core_split(cfg: RolloutConfig, replicas: Replicas):
+    """This rank's `placement.CoreSplit` with separate placement on CPU; None otherwise."""
+    if not cfg.separate or torch.cuda.is_available():
+        return None
+    rank = dist.get_rank()
+    owners = replicas.owners_on(replicas.nodes[rank])
+    return split_cores(
+        sorted(os.sched_getaffinity(0)),
+        engine_cores=cfg.cpu_cores,
+        engines=len(owners),
+        engine=owners.index(rank) if rank in owners else None,
+        tp=cfg.tp,
+    )
+
+
+def _check_separate_gpus(cfg: Config, replicas: Replicas) -> None:
+    """Separate placement on GPUs: rollout.gpus_per_node set, and the GPUs there."""
+    r = cfg.rollout
+    if not (r.separate and torch.cuda.is_available()):
+        return
+    if r.gpus_per_node == 0:
+        raise ValueError(
+            "rollout.placement=separate on GPUs needs rollout.gpus_per_node: how many GPUs of "
+            "each node hold engines (torchrun starts one trainer rank per other GPU)"
+        )
+    node = replicas.nodes[dist.get_rank()]
+    ranks = sum(1 for n in replicas.nodes if n == node)
+    if ranks + r.gpus_per_node > torch.cuda.device_count():
+        raise ValueError(
+            f"{ranks} trainer ranks and rollout.gpus_per_node={r.gpus_per_node} engine GPUs "
+            f"need {ranks + r.gpus_per_node} GPUs on this node, which has "
+            f"{torch.cuda.device_count()}: lower --nproc-per-node or rollout.gpus_per_node"
+        )
 
 
 def _reward_workers(replicas: Replicas) -> int:

@@ -6,6 +6,8 @@
                                   the folder loads at another TP x PP x DP layout too
         train_state.json          step, data position, LR schedule, layout, resolved config
         rng/rank_00003.pt         each rank's Python / NumPy / torch / tracker RNG states
+        data_objects.pt           what the data state holds beyond JSON (the next step's
+                                  rollouts with rollout.async_steps = 1), when there is any
         cwgrpo_checkpoint.json    what a converted checkpoint holds beside its model
         config.json, tokenizer    (`checkpoint.py`), so that the policy converts to HF
                                   (tools/convert_megatron_to_hf.py) as one does
@@ -43,6 +45,7 @@ from cwgrpo_megatron.megatron.train_step import Actor
 
 log = logging.getLogger(__name__)
 STATE_NAME = TRAIN_STATE_NAME
+OBJECTS_NAME = "data_objects.pt"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -140,8 +143,10 @@ def save(
     keep_last: int = 2,
     config: dict | None = None,
     side_files_from: str | Path | None = None,
+    data_objects: dict | None = None,
 ) -> Path:
-    """Write ROOT/step_<actor.step> (collective over all ranks) and prune old ones. `config`
+    """Write ROOT/step_<actor.step> (collective over all ranks) and prune old ones.
+    `data_objects`: picklable objects the same on every rank, written once. `config`
     (the run's resolved config, as a dict) is kept beside the state for readers of the
     checkpoint; nothing here reads it back. `side_files_from`: the HF folder (or converted
     checkpoint) whose config and tokenizer files go beside the model."""
@@ -163,6 +168,8 @@ def save(
                 "config": config,
             }
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=2, default=str) + "\n")
+            if data_objects:
+                torch.save(data_objects, tmp / OBJECTS_NAME)
             write_meta(
                 tmp,
                 actor.model,
@@ -206,3 +213,9 @@ def load(actor: Actor, ckpt: str | Path) -> dict:
             "RNG states not restored: saved at %s, running at %s", state["layout"], layout()
         )
     return state["data_state"]
+
+
+def load_objects(ckpt: str | Path) -> dict:
+    """The `data_objects` saved with `ckpt` ({} when it has none)."""
+    path = Path(ckpt) / OBJECTS_NAME
+    return torch.load(path, weights_only=False) if path.is_file() else {}

@@ -48,9 +48,11 @@ def build_engine(
     dtype: str,
     seed: int,
     devices: Sequence[int] | None = None,
+    cpu_cores: Sequence[int] | None = None,
 ) -> RolloutEngine:
     """Start the engine `cfg` describes on `model_dir` (an HF checkpoint folder), in `dtype`,
-    seeded with `seed`, on the GPUs `devices` of this node (vllm; None: vLLM's choice)."""
+    seeded with `seed`, on the GPUs `devices` of this node (vllm; None: vLLM's choice), its
+    processes bound to `cpu_cores` (vllm; None: unbound)."""
     common = dict(
         dtype=dtype,
         seed=seed,
@@ -62,15 +64,16 @@ def build_engine(
     return get_engine("vllm")(
         model_dir,
         **common,
-        in_process=cfg.in_process,
+        in_process=False if cfg.separate else cfg.in_process,
         kv_cache_bytes=cfg.kv_cache_mb << 20,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         enable_sleep_mode=engine_sleep_level(cfg, cuda=torch.cuda.is_available()) > 0,
         enforce_eager=eager(cfg, cuda=torch.cuda.is_available()),
         shm_dir=cfg.shm_dir,
-        weight_sync=cfg.weight_sync,
+        weight_sync=cfg.weight_sync or ("shm" if cfg.separate else None),
         tensor_parallel_size=cfg.tp,
         devices=devices,
+        cpu_cores=cpu_cores,
     )
 
 
@@ -81,8 +84,8 @@ def eager(cfg: RolloutConfig, *, cuda: bool) -> bool:
 
 def engine_sleep_level(cfg: RolloutConfig, *, cuda: bool) -> int:
     """rollout.sleep_level, or when it is unset: 2 on GPUs, 0 on CPU (vLLM's CPU build has no
-    sleep mode)."""
-    return (2 if cuda else 0) if cfg.sleep_level is None else cfg.sleep_level
+    sleep mode) and with separate placement (the engines' devices are their own)."""
+    return (2 if cuda and not cfg.separate else 0) if cfg.sleep_level is None else cfg.sleep_level
 
 
 def sampling_config(cfg: RolloutConfig, *, temperature: float, seed: int | None = None):

@@ -8,6 +8,8 @@ from cwgrpo_megatron.rollout.names import LONG_PROMPT_POLICIES, ROLLOUT_BACKENDS
 DTYPE_NAMES = ("float32", "bfloat16")
 SLEEP_LEVELS = (0, 1, 2)
 WEIGHT_SYNC_PATHS = ("ipc", "shm")
+PLACEMENTS = ("colocated", "separate")
+ASYNC_STEPS = (0, 1)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,6 +68,24 @@ class RolloutConfig:
     tp: int = 1
     """The engine's tensor-parallel size: on GPU it runs on the first `tp` devices of its
     replica's ranks, so a replica must span at least `tp` ranks."""
+    placement: str = "colocated"
+    """Where the engines run (docs/training.md#one-step-off-rollouts). colocated: on the
+    trainer's devices, taking turns with it. separate: on devices of their own, so that
+    generation can overlap training (`async_steps`): on GPUs the `gpus_per_node` GPUs of each
+    node after the trainer's (torchrun starts one rank per other GPU), on CPU `cpu_cores` cores
+    of each node (the engines' processes are bound to them, the trainer's to the rest). Needs
+    engine processes (the vllm backend, in_process false or unset); the engines never sleep."""
+    gpus_per_node: int = 0
+    """With placement=separate on GPUs: each node's GPUs that hold engines (a multiple of
+    `tp`; one engine per `tp` of them)."""
+    cpu_cores: int = 1
+    """With placement=separate on CPU: each node's cores bound to its engines (the last ones the
+    process may use); the trainer's ranks keep the rest."""
+    async_steps: int = 0
+    """0: each step's rollouts are generated, then trained on. 1 (placement=separate): step
+    k+1's rollouts are generated, with the weights after step k-1, while step k trains; the
+    policy lag is 1 (`rollout/policy_lag`) and the truncated importance weight (algo.tis_cap)
+    corrects it. More steps off the policy are not built."""
 
     def __post_init__(self) -> None:
         check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS.names())
@@ -90,8 +110,51 @@ class RolloutConfig:
         check_range(
             "rollout.gpu_memory_utilization", self.gpu_memory_utilization, low=0.01, high=1.0
         )
+        check_choice("rollout.placement", self.placement, PLACEMENTS)
+        check_range("rollout.gpus_per_node", self.gpus_per_node, low=0)
+        check_range("rollout.cpu_cores", self.cpu_cores, low=1)
+        self._check_async()
         if self.max_tokens >= self.max_model_len:
             raise ValueError(
                 f"rollout.max_tokens={self.max_tokens} leaves no room for a prompt in "
                 f"rollout.max_model_len={self.max_model_len}"
+            )
+
+    @property
+    def separate(self) -> bool:
+        return self.placement == "separate"
+
+    def _check_async(self) -> None:
+        if self.async_steps not in ASYNC_STEPS:
+            raise ValueError(
+                f"rollout.async_steps={self.async_steps}: only 0 (synchronous) and 1 (one step "
+                "off the policy) are built; a lag above 1 needs a staleness bound and a "
+                "decoupled objective this trainer does not have yet"
+            )
+        if self.async_steps and not self.separate:
+            raise ValueError(
+                "rollout.async_steps=1 overlaps generation with training, which needs engines "
+                "on devices of their own: set rollout.placement=separate"
+            )
+        if not self.separate:
+            return
+        if self.backend != "vllm" or self.in_process:
+            raise ValueError(
+                "rollout.placement=separate runs the engines in processes of their own: use "
+                "rollout.backend=vllm with rollout.in_process unset or false"
+            )
+        if self.sleep_level:
+            raise ValueError(
+                f"rollout.sleep_level={self.sleep_level} frees an engine's memory for the "
+                "trainer, which rollout.placement=separate does not share: leave it unset"
+            )
+        if self.weight_sync == "ipc":
+            raise ValueError(
+                "rollout.weight_sync=ipc shares the trainer's GPU memory with an engine on the "
+                "same GPU; with rollout.placement=separate leave it unset (shm)"
+            )
+        if self.gpus_per_node % self.tp:
+            raise ValueError(
+                f"rollout.gpus_per_node={self.gpus_per_node} does not split into engines of "
+                f"rollout.tp={self.tp} GPUs: use a multiple of it"
             )

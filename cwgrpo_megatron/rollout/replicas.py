@@ -16,6 +16,10 @@ depend on the data-parallel layout: with pipeline stages on other nodes every re
 works. Sampling seeds are a function of (seed, step, position) (`rollout.base.rollout_seed`),
 so the completions do not depend on the number of replicas either.
 
+With separate placement on GPUs (`rollout.placement=separate`, `engine_gpus` > 0) the engines
+hold GPUs of their own: a node's trainer ranks use its first GPUs (LOCAL_RANK), and its
+engine_gpus / engine_tp engines the next ones, one engine per replica group of its ranks.
+
 Pure bookkeeping: the node of every rank comes from `dist.node_of_each_rank`.
 """
 
@@ -33,6 +37,8 @@ class Replicas:
     """The global ranks of each replica, in replica order; the first one owns the engine."""
     engine_tp: int = 1
     """The engine's tensor-parallel size (`rollout.tp`)."""
+    separate: bool = False
+    """The engines' GPUs come after the trainer's on each node (separate placement)."""
 
     @classmethod
     def place(
@@ -42,16 +48,33 @@ class Replicas:
         *,
         engine_tp: int = 1,
         cuda: bool = False,
+        engine_gpus: int = 0,
     ) -> Replicas:
         """Replica groups for ranks on `nodes` (the node id of each global rank, any labels):
         `replicas` R auto (with `cuda`, one per `engine_tp` consecutive ranks, i.e. GPUs, of
         every node; else per_node), per_node, R >= nodes (R / nodes on each node) or R < nodes
         (one on each of the first R nodes; the others hold no engine). ValueError when R cannot
         be split evenly, or a group would have fewer ranks than the engine's tensor-parallel
-        size."""
+        size. `engine_gpus` > 0 (with `cuda`): separate placement, `engine_gpus / engine_tp`
+        engines per node on GPUs after the trainer's."""
         order = list(dict.fromkeys(nodes))
         index = tuple(order.index(n) for n in nodes)
         members = [[r for r, n in enumerate(index) if n == node] for node in range(len(order))]
+        separate = cuda and engine_gpus > 0
+        if separate:
+            if engine_gpus % engine_tp:
+                raise ValueError(
+                    f"rollout.gpus_per_node={engine_gpus} does not split into engines of "
+                    f"rollout.tp={engine_tp} GPUs: use a multiple of it"
+                )
+            if replicas != "auto":
+                raise ValueError(
+                    "with rollout.placement=separate the engines are one per rollout.tp of "
+                    "rollout.gpus_per_node on every node: leave rollout.replicas at auto"
+                )
+            replicas = len(order) * (engine_gpus // engine_tp)
+        # a colocated engine runs on its first ranks' GPUs; a separate one needs one rank
+        min_ranks = 1 if separate else engine_tp
         if replicas == "auto" and cuda:
             uneven = [len(m) for m in members if len(m) % engine_tp]
             if uneven:
@@ -75,13 +98,13 @@ class Replicas:
                     f"replicas: set rollout.replicas to a divisor of {len(ranks)} per node"
                 )
             size = len(ranks) // per_node
-            if size < engine_tp:
+            if size < min_ranks:
                 raise ValueError(
                     f"a replica of {size} ranks cannot hold an engine at rollout.tp={engine_tp}: "
                     "lower rollout.tp or rollout.replicas"
                 )
             groups += [tuple(ranks[i : i + size]) for i in range(0, len(ranks), size)]
-        return cls(nodes=index, groups=tuple(groups), engine_tp=engine_tp)
+        return cls(nodes=index, groups=tuple(groups), engine_tp=engine_tp, separate=separate)
 
     @classmethod
     def single(cls, world_size: int = 1) -> Replicas:
@@ -110,12 +133,21 @@ class Replicas:
 
     def devices(self, replica: int) -> list[int]:
         """The local device indices (LOCAL_RANK) of the engine's `engine_tp` GPUs: the first
-        ranks of its group, counted from the start of its node."""
-        local = self.local_index(self.groups[replica][0])
+        ranks of its group, counted from the start of its node; with separate placement the
+        GPUs after the node's trainer ranks, engine by engine."""
+        owner = self.groups[replica][0]
+        if self.separate:
+            node = self.nodes[owner]
+            ranks = sum(1 for n in self.nodes if n == node)
+            first = ranks + self.owners_on(node).index(owner) * self.engine_tp
+            return list(range(first, first + self.engine_tp))
+        local = self.local_index(owner)
         return list(range(local, local + self.engine_tp))
 
     def shares_gpu(self, rank: int) -> bool:
         """Does an engine run on `rank`'s GPU?"""
+        if self.separate:
+            return False
         node = self.nodes[rank]
         used = {d for r in range(len(self.groups)) if self.nodes[self.groups[r][0]] == node
                 for d in self.devices(r)}  # fmt: skip

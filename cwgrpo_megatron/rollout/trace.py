@@ -36,6 +36,11 @@ class TracedEngine:
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
+    def labeled(self, step: int) -> TracedEngine:
+        """The same engine and file, its calls recorded under `step` whatever `self.step`
+        becomes (a generation in a background thread belongs to the next step)."""
+        return TracedEngine(self.engine, self.path, replica=self.replica, step=step)
+
     def _write(self, call: str, *, level: int | None = None, tags=None) -> None:
         record = {"step": self.step, "replica": self.replica, "call": call}
         record |= {"level": level, "tags": None if tags is None else list(tags)}

@@ -22,7 +22,14 @@ weights (skipping it gave log-prob errors of about 10 on a 168-token prompt).
 In-process vLLM changes process state the trainer relies on; `_TrainerState` restores it around
 every engine call: the Python / numpy / torch RNG states (vLLM reseeds them, and sampling
 without a per-request seed would draw from torch's), `torch.set_num_threads` (replaced by a
-no-op) and the thread count, and the environment variables it overwrites.
+no-op) and the thread count, and the environment variables it overwrites. With engine
+processes, `generate` and `prompt_logprobs` only talk to them, and skip it: a generation may then
+run in a background thread while the trainer works (`rollout.async_steps`), and restoring the
+RNG states at its end would roll back the trainer's.
+
+With `cpu_cores` (rollout.placement=separate on CPU) the engine processes are bound to those
+cores (`rollout.placement`): vLLM's workers through VLLM_CPU_OMP_THREADS_BIND, and every
+thread of every engine process once they run.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import psutil
 import torch
 from torch import Tensor
 
+from cwgrpo_megatron.rollout import placement
 from cwgrpo_megatron.rollout.base import (
     ENGINE_DTYPES,
     Completion,
@@ -96,8 +104,9 @@ def _stop_engine_processes(llm, record: Path) -> None:
     record.unlink(missing_ok=True)
 
 
-def _record_engine_processes() -> Path:
-    """Write this process's children (the engine processes just started) to its record."""
+def _record_engine_processes() -> tuple[Path, list[int]]:
+    """Write this process's children (the engine processes just started) to its record; the
+    record and their pids."""
     procs = {}
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
@@ -107,7 +116,7 @@ def _record_engine_processes() -> Path:
     tmp = record.with_suffix(".tmp")
     tmp.write_text(json.dumps(procs))
     tmp.replace(record)
-    return record
+    return record, list(procs)
 
 
 def kill_orphaned_engines() -> int:
@@ -152,6 +161,7 @@ class VLLMEngine(EngineBase):
         shm_dir: str = "/dev/shm",
         devices: Sequence[int] | None = None,
         weight_sync: str | None = None,
+        cpu_cores: Sequence[int] | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -167,6 +177,10 @@ class VLLMEngine(EngineBase):
         self.devices = None if devices is None else list(devices)
         """GPUs of this node (by index, as LOCAL_RANK counts them) that the engine processes
         run on; None: vLLM's choice (the first tensor_parallel_size visible ones)."""
+        self.cpu_cores = None if cpu_cores is None or torch.cuda.is_available() else cpu_cores
+        """The cores the engine processes are bound to (CPU only); None: unbound."""
+        if self.cpu_cores is not None and self.in_process:
+            raise ValueError("an in-process engine cannot be bound to cores of its own")
         self._buffer: shm.SharedWeights | None = None
         self._buffer_finalizer = None
         self.last_load: str | None = None
@@ -218,12 +232,33 @@ class VLLMEngine(EngineBase):
             kill_orphaned_engines()
         from vllm import LLM
 
-        with _TrainerState(), _visible_devices(self.devices):
+        with _TrainerState(), _visible_devices(self.devices), self._omp_bind():
             llm = LLM(**self._engine_args)
         if not self.in_process:  # stop engine processes at exit even if the run fails
-            record = _record_engine_processes()
+            record, pids = _record_engine_processes()
             self._finalizer = weakref.finalize(self, _stop_engine_processes, llm, record)
+            if self.cpu_cores is not None:
+                for pid in pids:
+                    with contextlib.suppress(FileNotFoundError):
+                        placement.bind_process(pid, self.cpu_cores)
         return llm
+
+    @contextlib.contextmanager
+    def _omp_bind(self):
+        """VLLM_CPU_OMP_THREADS_BIND set to the engine's cores while its processes start."""
+        if self.cpu_cores is None:
+            yield
+            return
+        key, before = "VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        tp = self._engine_args["tensor_parallel_size"]
+        os.environ[key] = placement.omp_bind(self.cpu_cores, tp)
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = before
 
     def _recover(self) -> None:
         """A failed reload leaves the engine unusable. In-process, reload the original weights
@@ -298,7 +333,7 @@ class VLLMEngine(EngineBase):
     ) -> list[RolloutGroup]:
         prompts, cut = self._check_requests(prompt_token_ids, n, sampling)
         params = self._params(n, sampling, self._prompt_seeds(sampling, len(prompts), n, seeds))
-        with _TrainerState(), self._alive():
+        with self._guard(), self._alive():
             outputs = self.llm.generate(
                 [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
             )
@@ -317,7 +352,7 @@ class VLLMEngine(EngineBase):
 
         check_sequences(sequences, max_model_len=self.max_model_len)
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        with _TrainerState(), self._alive():
+        with self._guard(), self._alive():
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
             )
@@ -325,6 +360,11 @@ class VLLMEngine(EngineBase):
             [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
             for out, seq in zip(outputs, sequences, strict=True)
         ]
+
+    def _guard(self):
+        """`_TrainerState` around an in-process call; nothing around a call to engine processes,
+        which leaves the trainer's state alone and may run beside it in another thread."""
+        return _TrainerState() if self.in_process else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _alive(self):

@@ -58,6 +58,7 @@ LOSS_METRIC_NAMES = {
 _UNLOGGED = {"cov_sq_mean", "weight_sq_mean"}
 PHASES = (
     "rollout",
+    "rollout_wait",
     "sleep",
     "reward",
     "old_logp",

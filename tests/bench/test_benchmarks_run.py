@@ -21,6 +21,7 @@ SMOKE = {
     "bench_vllm_compile.py": ["--quick"],
     "bench_microbatch.py": ["--quick"],
     "bench_rollout_scale.py": ["--quick"],
+    "bench_async.py": ["--quick"],
 }
 
 

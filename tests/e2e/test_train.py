@@ -54,8 +54,10 @@ METRICS = (
     "response/repetition_4gram",
     "rollout/gap_mean",
     "rollout/gap_max",
+    "rollout/policy_lag",
     "groups/frac_zero_std",
-    *(f"timing_s/{p}" for p in ("rollout", "reward", "old_logp", "train", "sync", "eval")),
+    *(f"timing_s/{p}" for p in ("rollout", "rollout_wait", "reward", "old_logp", "train")),
+    *(f"timing_s/{p}" for p in ("sync", "eval")),
     "timing_s/checkpoint",
     "timing_s/step",
     "perf/tokens_per_s",
@@ -174,6 +176,10 @@ def test_one_process_with_vllm_writes_the_whole_run_folder(vllm_run):
     rows = check_run_folder(vllm_run, steps=3)
     assert all(r["sync/gap"] <= r["sync/tol"] == 1e-4 for r in rows)
     assert rows[-1]["eval/heldout/avg@2"] >= 0.0  # run.eval_every=3: the last step evaluates
+    # synchronous (rollout.async_steps=0): each step samples with the weights it trains, and
+    # no checkpoint holds rollouts made ahead
+    assert all(r["rollout/policy_lag"] == 0 and r["timing_s/rollout_wait"] < 0.01 for r in rows)
+    assert not list((vllm_run / "checkpoints").glob("*/data_objects.pt"))
     # dynamic sampling: every step full of groups with a reward spread, after several rounds
     for r in rows:
         assert r["dynamic/groups_kept"] == 4 and r["dynamic/cap_reached"] == 0, r

@@ -104,7 +104,13 @@ def test_cli_json_has_the_promised_fields(capsys):
     assert g["optimizer"] / per_rank == pytest.approx(6, rel=1e-3)
     assert g["peak"] == max(plan["phases"].values())
     # the recipe's engines: one on every GPU (rollout.tp 1, replicas auto), asleep at level 2
-    assert plan["rollout"] == {"tp": 1, "engines_per_node": 8, "sleep_level": 2}
+    assert plan["rollout"] == {
+        "tp": 1,
+        "engines_per_node": 8,
+        "sleep_level": 2,
+        "placement": "colocated",
+        "engine_gpus_per_node": 0,
+    }
     assert list(plan["phases"]) == ["rollout", "old_logp", "train", "wake"]
     for phase, parts in plan["parts"].items():
         assert sum(parts.values()) == plan["phases"][phase], phase
@@ -168,6 +174,36 @@ def test_engines_follow_rollout_replicas(capsys):
     # recipe's prompts_per_step is 12)
     rounds = ("train.dynamic_sampling=true", "train.gen_prompts_per_step=24")
     assert engines(*rounds) == (8, 2 * kv_each)
+
+
+def test_separate_placement_plans_the_trainer_on_the_other_gpus(capsys):
+    colocated = _plan(capsys, "parallel.tp=2")
+    apart = ("rollout.placement=separate", "rollout.gpus_per_node=2", "parallel.tp=2")
+    separate = _plan(capsys, *apart, "rollout.gpu_memory_utilization=0.9")
+    # the trainer's dp counts 6 GPUs a node, the engines 2 (one per GPU at rollout.tp=1)
+    assert colocated["layout"]["dp"] == 4 and separate["layout"]["dp"] == 3
+    # rollout.sleep_level resolves to 0: the engines' GPUs are their own
+    assert separate["rollout"] == {
+        "tp": 1,
+        "engines_per_node": 2,
+        "sleep_level": 0,
+        "placement": "separate",
+        "engine_gpus_per_node": 2,
+    }
+    # no engine bytes on a trainer GPU in any phase, and no sync buffers there
+    engine = {"engine weights", "KV cache", "engine other", "sync buffers"}
+    assert all(not engine & set(parts) for parts in separate["parts"].values())
+    assert separate["per_gpu"]["vllm"] == 0
+    # an engine holds its weights on its own GPU, and 4 times the sequences of one of 8
+    assert separate["vllm"]["reserved"] == int(0.9 * 80 * 2**30)
+    assert separate["vllm"]["kv_needed"] == 4 * colocated["vllm"]["kv_needed"]
+    assert separate["vllm_fits"]
+    code, _, err = _cli(capsys, "--config", "configs/qwen2p5_math_7b.yaml", *apart[:2])
+    assert code == 2 and "tp x pp = 4 does not divide the 6 GPUs" in err
+    code, _, err = _cli(
+        capsys, "--config", "configs/qwen2p5_math_7b.yaml", *apart[:1], "rollout.gpus_per_node=8"
+    )
+    assert code == 2 and "rollout.gpus_per_node=8 leaves the trainer none" in err
 
 
 def test_plot_draws_every_phase(capsys, tmp_path):
