@@ -63,6 +63,17 @@ def load(step: int) -> tuple:
 CALLS = [gen(1), gen(2), load(1), gen(3), load(2), load(3), gen(3)]
 
 
+def processes_of_run(out: Path) -> list[psutil.Process]:
+    """The live processes started with CWGRPO_TEST_RUN=out in their environment."""
+    time.sleep(1)  # a parent-death signal is delivered at once; give the kernel a moment
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("CWGRPO_TEST_RUN") == str(out) and proc.status() != "zombie":
+                found.append(proc)
+    return found
+
+
 @pytest.fixture(scope="session")
 def async_run(tiny, tmp_path_factory) -> tuple[Path, str]:
     """The reference: 3 one-step-off steps in one process, a checkpoint every step (built once
@@ -103,8 +114,17 @@ def test_sigkill_in_step_2_at_dp2_then_resume_is_the_uninterrupted_run(async_run
     reference, _ = async_run
     out = tmp_path / "run"
     kill = [str(KILL_SCRIPT), "in-step", "2", *train_args(tiny, out, *ASYNC)]
-    code, log = launch([*torchrun(2), *kill])
+    code, log = launch([*torchrun(2), *kill], env={"CWGRPO_TEST_RUN": str(out)})
     assert code == 1, log  # torchrun's exit when its workers are SIGKILLed
+    # what the killed ranks started dies with them (Megatron's checkpoint Manager included),
+    # but their engines, which the next run stops (`kill_orphaned_engines`), and the
+    # multiprocessing resource tracker that the engines hold open
+    left = [
+        " ".join(p.cmdline())
+        for p in processes_of_run(out)
+        if not p.name().startswith("VLLM::") and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert not left, left
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]
     assert (out / "checkpoints" / "step_00000001" / "data_objects.pt").is_file()
     killed = replica_calls(out / "engine_calls.jsonl", 0)
@@ -115,6 +135,7 @@ def test_sigkill_in_step_2_at_dp2_then_resume_is_the_uninterrupted_run(async_run
     code, log = launch(resume, env=env)
     assert code == 0, log
     assert "resumed from" in log and "at step 1" in log
+    assert not processes_of_run(out), "the killed run left processes past the resumed one"
     rows = metrics(out)
     assert json.loads((out / "env.json").read_text())["layout"]["dp"] == 2
     assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 1.0]
