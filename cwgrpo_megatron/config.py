@@ -396,8 +396,9 @@ class Config:
             )
         if r.async_steps and t.dynamic_sampling:
             raise ValueError(
-                "rollout.async_steps=1 with train.dynamic_sampling=true is not built (a step's "
-                "rounds would need the previous step's result): turn one of them off"
+                "rollout.async_steps=1 with train.dynamic_sampling=true is not built (whether "
+                "a step needs another round takes an all-gather that the background "
+                "generation does not make): turn one of them off"
             )
         if "heldout" in self.eval.benchmarks and d.heldout_size == 0:
             raise ValueError(
