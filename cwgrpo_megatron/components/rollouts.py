@@ -226,7 +226,8 @@ class Rollouts:
         )
 
     def at_step(self, step: int) -> None:
-        """The engine's next calls belong to `step` (its trace's step field)."""
+        """The engine's next calls belong to `step` (its trace's step field); the trainer
+        sets it as each step begins."""
         if isinstance(self.engine, TracedEngine):
             self.engine.step = step
 
@@ -262,7 +263,7 @@ class Rollouts:
         synchronous run; a thread of this rank then generates and scores its share, and makes
         no collective."""
         prompts = self.draw(step)
-        self.at_step(step - 1)  # the calls of this thread are step's, the trainer's step - 1's
+        # this thread's calls belong to `step`; the trainer's, meanwhile, to step - 1
         engine = self.engine.labeled(step) if isinstance(self.engine, TracedEngine) else self.engine
         sampling = sampling_config(self.rollout, temperature=self.train.temperature)
 
@@ -294,7 +295,6 @@ class Rollouts:
         """Step 1: the round's R prompts (train.prompts_per_round) that this rank's engine
         samples (every rank advances the sampler alike, so its position after the last round
         is what a checkpoint holds); none on ranks without an engine."""
-        self.at_step(step)
         t, prompts = self.train, self.inputs.train_set
         count = t.prompts_per_round
         indices = self.sampler.next_indices(count)
