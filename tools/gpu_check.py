@@ -26,6 +26,9 @@ Checks, in order (each is timed; one that raises is a FAIL with its error, and t
   sync_torch      the weight sync into the torch engine on the GPU, checked by log-probs
   sync_vllm_ipc   the weight sync into vLLM engine processes over CUDA IPC (vLLM's weight
                   transfer), checked by log-probs (needs vLLM)
+  sync_vllm_nccl  the same into an engine on the second GPU over NCCL, as with
+                  rollout.placement=separate (needs vLLM and a second GPU: NCCL cannot put two
+                  ranks of a group on one GPU)
   sync_vllm       the weight sync into vLLM in this process on the GPU, checked by log-probs
   vllm            vLLM on the GPU: generate, sleep at levels 1 and 2, wake, reload, generate
                   the same tokens; what each level frees (needs vLLM)
@@ -326,21 +329,29 @@ def check_resume(ctx) -> Result:
     return Result("resume", "PASS" if ok else "FAIL", figure, detail=dict(optimizer=optimizer))
 
 
-def check_sync(ctx, backend: str, *, processes: bool = False) -> Result:
+def check_sync(ctx, backend: str, *, transfer: str | None = None) -> Result:
     """The training loop's verdict (`SyncVerifier`): after each of two Adam steps and syncs,
     the engine's gap to the trainer stays within 10x the gap before any step, while the step
-    moved the stale engine's log-probs beyond that tolerance. `processes`: vLLM in engine
-    processes, whose weights come over CUDA IPC (`weight_sync.ipc`); else in this process,
-    reading the trainer's tensors."""
+    moved the stale engine's log-probs beyond that tolerance. `transfer`: vLLM in engine
+    processes, whose weights come through vLLM's weight transfer, over CUDA IPC on this GPU
+    (`weight_sync.ipc`) or over NCCL to the second GPU (`weight_sync.nccl`); None: in this
+    process, reading the trainer's tensors."""
+    import torch
+
     from cwgrpo_megatron.checks.sync_check import REALISTIC_STEP, Gap, SyncVerifier, run_check
 
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise Skip("vLLM is not installed")
+    engine_args = None if transfer is None else {"in_process": False, "weight_sync": transfer}
+    if transfer == "nccl":
+        if torch.cuda.device_count() < 2:
+            raise Skip("one GPU: an NCCL group cannot hold the trainer and the engine on it")
+        engine_args["devices"] = [1]
     # fp32 (TF32 off): in bf16 the engines' own gap on SmolLM2 is ~0.5 nats, as large as the
     # change an RL-sized step makes, and no tolerance could tell a sync from none
     out = run_check(
         hf_dir=str(ctx["model_dir"]), backend=backend, rounds=2, dtype="float32",
-        step=REALISTIC_STEP, engine_args={"in_process": False} if processes else None,
+        step=REALISTIC_STEP, engine_args=engine_args,
     )  # fmt: skip
     tol = SyncVerifier.tolerance(Gap(out["start_max_abs"], out["start_mean_abs"]), 1e-4)
     within = all(m <= tol.max for m in out["max_abs"]) and all(
@@ -352,8 +363,8 @@ def check_sync(ctx, backend: str, *, processes: bool = False) -> Result:
         f"{max(out['mean_abs']):.2e}), tolerance {tol.max:.2e} ({tol.mean:.2e}); stale engine "
         f"{min(out['stale_max_abs']):.2e}"
     )
-    path_ok = not processes or out["paths"] == ["ipc", "ipc"]
-    name = f"sync_{backend}_ipc" if processes else f"sync_{backend}"
+    path_ok = transfer is None or out["paths"] == [transfer, transfer]
+    name = f"sync_{backend}_{transfer}" if transfer else f"sync_{backend}"
     return Result(name, "PASS" if within and seen and path_ok else "FAIL", figure, detail=out)
 
 
@@ -410,7 +421,8 @@ CHECKS = {
     "planner": check_planner,
     "resume": check_resume,
     "sync_torch": lambda ctx: check_sync(ctx, "torch"),
-    "sync_vllm_ipc": lambda ctx: check_sync(ctx, "vllm", processes=True),
+    "sync_vllm_ipc": lambda ctx: check_sync(ctx, "vllm", transfer="ipc"),
+    "sync_vllm_nccl": lambda ctx: check_sync(ctx, "vllm", transfer="nccl"),
     # an in-process vLLM engine ends torch.distributed when it shuts down: these come last
     "sync_vllm": lambda ctx: check_sync(ctx, "vllm"),
     "vllm": check_vllm,
@@ -418,7 +430,7 @@ CHECKS = {
 
 
 def _line(r: Result) -> str:
-    return f"{r.status:<4} {r.name:<11} {r.seconds:6.1f} s  {r.figure}"
+    return f"{r.status:<4} {r.name:<14} {r.seconds:6.1f} s  {r.figure}"
 
 
 def run_checks(out: Path | None) -> int:

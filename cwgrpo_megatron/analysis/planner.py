@@ -82,7 +82,10 @@ SLEEP_RESIDUAL = 1 * GiB
 VLLM_WORKSPACE = 1 * GiB
 """vLLM's activation workspace inside its reservation (it profiles one max-size batch)."""
 IPC_BUFFER_BYTES = 1 * GiB
-"""`weight_sync.ipc.BUFFER_BYTES`: the least size of vLLM's packed IPC buffer."""
+"""`weight_sync.ipc.BUFFER_BYTES` and `weight_sync.nccl.BUFFER_BYTES`: the least size of each
+of vLLM's packed transfer buffers."""
+NCCL_BUFFERS = 2
+"""vLLM's packed NCCL broadcast alternates between two buffers (one filling, one in flight)."""
 SYNC_BUCKET_BYTES = 256 << 20
 """`megatron.publish.TRANSFER_BUCKET_BYTES`: shards in flight between nodes during a sync."""
 LOSS_BYTES_PER_TOKEN = 36
@@ -412,15 +415,19 @@ def vllm_bytes(
     )
 
 
-def sync_bytes(arch: ModelArch, *, dtype: str, pp: int, nodes: int) -> int:
-    """What the weight sync itself holds on a GPU at its peak. CUDA IPC (when every node holds
-    every pipeline stage: one node, or pp = 1) packs the model into vLLM's buffer (at least
-    IPC_BUFFER_BYTES, at least the largest HF tensor) while the export materialises one tensor;
-    the shared-memory path keeps at most a bucket of shards in flight between nodes."""
+def sync_bytes(arch: ModelArch, *, dtype: str, pp: int, nodes: int, separate: bool = False) -> int:
+    """What the weight sync itself holds on a trainer GPU at its peak. vLLM's transfer (when
+    every node holds every pipeline stage: one node, or pp = 1) packs the model into its
+    buffers, each at least IPC_BUFFER_BYTES and the largest HF tensor, while the export
+    materialises one tensor: one buffer for CUDA IPC (colocated), NCCL_BUFFERS on an engine's
+    owner for NCCL (separate placement; the engine's GPU holds as many to receive into, outside
+    vLLM's reservation). The shared-memory path keeps at most a bucket of shards in flight
+    between nodes."""
     if pp == 1 or nodes == 1:
         e = DTYPE_BYTES[dtype]
         largest = arch.hidden_size * max(arch.vocab_size, arch.ffn_hidden_size) * e
-        return max(IPC_BUFFER_BYTES, largest) + largest
+        buffers = NCCL_BUFFERS if separate else 1
+        return buffers * max(IPC_BUFFER_BYTES, largest) + largest
     return SYNC_BUCKET_BYTES
 
 
@@ -728,9 +735,13 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
             phase: resident | {"activations": activations.get(phase, 0)} | beside(phase)
             for phase in PHASES
         }
-        if vllm.reserved and setting.colocated:
+        if vllm.reserved:
             parts["wake"]["sync buffers"] = sync_bytes(
-                arch, dtype=setting.engine_dtype, pp=pp, nodes=cluster.nodes
+                arch,
+                dtype=setting.engine_dtype,
+                pp=pp,
+                nodes=cluster.nodes,
+                separate=not setting.colocated,
             )
         phases = {phase: sum(kinds.values()) for phase, kinds in parts.items()}
         stages.append(_Stage(stage, state, ref, train_act, act.forward_working, phases, parts))

@@ -33,6 +33,8 @@ class WeightSync:
     verifier: SyncVerifier | None
     """None when run.verify_sync is 0."""
     verify_every: int
+    path: str | None = None
+    """How the last sync went (`SyncResult.path`), logged when it first is or changes."""
 
     @classmethod
     def build(
@@ -71,6 +73,9 @@ class WeightSync:
         """Weights into every engine (every rank calls this; `engine` on the owners): the most
         MiB a node received from the others."""
         done = sync_weights(model, self.arch, engine, dtype=self.dtype, plan=self.plan)
+        if done.path != self.path and dist.get_rank() == 0:
+            log.info("weight sync path: %s", done.path)
+        self.path = done.path
         return {"sync/received_mb": max(done.received.values()) / 2**20}
 
     def check(self, model, engine: RolloutEngine | None, *, step: int | None) -> dict[str, float]:

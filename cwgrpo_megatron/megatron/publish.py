@@ -7,10 +7,12 @@ with one replica that is global rank 0 (`ENGINE_RANK`). Per sync, every engine g
 model: the ranks of its node write their shards into its shared-memory buffer, and shards that
 no rank of the node holds (pipeline stages or TP ranks on other nodes) cross the network once
 per node (`weight_sync.plan.SyncPlan`). On GPUs (`rollout.weight_sync`), when no shard has to
-cross nodes, vLLM engines take their weights over CUDA IPC instead: every rank exports the
-whole model on its own GPU and vLLM's transfer hands it to the engine there
-(`weight_sync.ipc`). An engine without a buffer (the torch backend, or vLLM in-process on a
-GPU) takes the streamed export, which supports one replica.
+cross nodes, vLLM engines take their weights through vLLM's own transfer instead: every rank
+exports the whole model on its own GPU, and vLLM hands it over CUDA IPC to the engine on the
+same GPU (`weight_sync.ipc`), or the engine's owner broadcasts it over NCCL to an engine on
+GPUs of its own (`weight_sync.nccl`, rollout.placement=separate). An engine without a buffer
+(the torch backend, or vLLM in-process on a GPU) takes the streamed export, which supports one
+replica.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class SyncResult:
     path: str
     """How the weights went: "shared" (shards written into the engines' buffers, and sent
     across nodes where a node lacks them), "ipc" (every rank's export on its GPU, over CUDA
-    IPC) or "stream" (the export's collectives, one engine)."""
+    IPC), "nccl" (each owner's export, broadcast to its engine's GPUs) or "stream" (the
+    export's collectives, one engine)."""
     received: dict[int, int]
     """Bytes each node with an engine received from other nodes in this sync, measured."""
 
@@ -136,32 +139,36 @@ def sync_weights(
         raise ValueError(
             f"the rollout engines must be held by the replica owners {replicas.owners}"
         )
-    # CUDA IPC when every shard is on every engine's node; else the buffers, so that a shard
-    # a node lacks crosses the network once for the node, not once for each of its GPUs
-    ipc = not plan.transfers
+    # vLLM's transfer (CUDA IPC or NCCL) when every shard is on every engine's node; else the
+    # buffers, so that a shard a node lacks crosses the network once for the node, not once
+    # for each of its GPUs
+    direct = not plan.transfers
     offers = all_gather_or_fail(
-        lambda: _offer(engine, arch, dtype, ipc=ipc), "preparing the weight sync", world
+        lambda: _offer(engine, arch, dtype, direct=direct), "preparing the weight sync", world
     )
     buffers = [offers[o] for o in replicas.owners]
     received = 0
-    if all(b == IPC for b in buffers):
+    vllm_offers = [b for b in buffers if isinstance(b, str)]  # for vLLM's own transfer
+    if len(vllm_offers) == len(buffers) and len(set(vllm_offers)) == 1:
         # chosen only when every engine's node holds every shard: the export's PP broadcasts
         # and TP all-gathers stay inside the node, and no node receives anything
-        path, source = "ipc", _ipc_source(model, arch, dtype)
+        path, source = buffers[0], _transfer_source(model, arch, dtype)
+        send = TRANSFERS[path]()
 
         def load():
-            from cwgrpo_megatron.weight_sync.ipc import send_ipc
-
             if engine is None:
-                send_ipc(source)
+                send(source)
             else:
-                engine.receive_ipc(lambda llm: send_ipc(source, llm))
+                engine.receive(lambda llm: send(source, llm))
             return received
 
-    elif IPC in buffers:
+    elif vllm_offers:
+        ways = sorted(
+            {"stream" if b is None else b if isinstance(b, str) else "shm" for b in buffers}
+        )
         raise ValueError(
-            "some rollout engines take their weights over CUDA IPC and some do not: set "
-            "rollout.weight_sync alike on every node"
+            f"the rollout engines take their weights in different ways ({', '.join(ways)}): set "
+            "rollout.weight_sync and rollout.placement alike on every node"
         )
     elif all(b is not None for b in buffers):
         path, node = "shared", replicas.nodes[rank]
@@ -270,13 +277,26 @@ def _stream(model, arch: ModelArch, engine: WeightReceiver | None, dtype: str) -
         engine.update_weights(stream)
 
 
-IPC = "ipc"
-"""An owner's offer for an engine that takes its weights over CUDA IPC."""
+def _send_ipc():
+    from cwgrpo_megatron.weight_sync.ipc import send_ipc
+
+    return send_ipc
 
 
-def _ipc_source(model, arch: ModelArch, dtype: str):
-    """The model as vLLM's IPC transfer reads it: a fresh `hf_weights` pass per iteration."""
-    from cwgrpo_megatron.weight_sync.ipc import HFSource
+def _send_nccl():
+    from cwgrpo_megatron.weight_sync.nccl import send_nccl
+
+    return send_nccl
+
+
+TRANSFERS = {"ipc": _send_ipc, "nccl": _send_nccl}
+"""An owner's offer for an engine that takes its weights through vLLM's weight transfer (its
+`transfer`), and the sender of each (imported when used: vLLM's transfer engines)."""
+
+
+def _transfer_source(model, arch: ModelArch, dtype: str):
+    """The model as vLLM's weight transfer reads it: a fresh `hf_weights` pass per iteration."""
+    from cwgrpo_megatron.weight_sync.transfer import HFSource
 
     shapes, torch_dtype = hf_shapes(arch), DTYPES[dtype]
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -288,16 +308,16 @@ def _ipc_source(model, arch: ModelArch, dtype: str):
 
 
 def _offer(
-    engine: WeightReceiver | None, arch: ModelArch, dtype: str, *, ipc: bool
+    engine: WeightReceiver | None, arch: ModelArch, dtype: str, *, direct: bool
 ) -> SharedWeights | str | None:
-    """An owner's buffer (None for an engine that takes the stream, and on other ranks; `IPC`
-    for one that takes CUDA IPC, when `ipc` allows it); ValueError when the owner's engine
-    holds another model or cannot make its buffer."""
+    """An owner's buffer (None for an engine that takes the stream, and on other ranks; the
+    engine's `transfer` backend for one that takes vLLM's transfer, when `direct` allows it);
+    ValueError when the owner's engine holds another model or cannot make its buffer."""
     if engine is None:
         return None
     check_engine(engine, arch)
-    if engine.ipc and ipc:
-        return IPC
+    if engine.transfer is not None and direct:
+        return engine.transfer
     try:
         return engine.shared_weights(DTYPES[dtype])
     except (OSError, RuntimeError) as err:  # e.g. too little shared memory

@@ -202,8 +202,8 @@ class EngineBase:
     """What every backend keeps: the checkpoint's architecture and HF tensor shapes (what an
     update must deliver), the request limits, the policy version and a seed source."""
 
-    ipc = False
-    """Weight updates come over CUDA IPC (`receive_ipc`); only a vLLM engine on GPUs."""
+    transfer: str | None = None
+    """The vLLM weight transfer backend of `receive` (only a vLLM engine on GPUs has one)."""
 
     def __init__(
         self, model_dir: str | os.PathLike, *, seed: int, max_model_len: int, long_prompt: str

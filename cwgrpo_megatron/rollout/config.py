@@ -7,7 +7,7 @@ from cwgrpo_megatron.rollout.names import LONG_PROMPT_POLICIES, ROLLOUT_BACKENDS
 
 DTYPE_NAMES = ("float32", "bfloat16")
 SLEEP_LEVELS = (0, 1, 2)
-WEIGHT_SYNC_PATHS = ("ipc", "shm")
+WEIGHT_SYNC_PATHS = ("ipc", "nccl", "shm")
 PLACEMENTS = ("colocated", "separate")
 ASYNC_STEPS = (0, 1)
 
@@ -53,10 +53,13 @@ class RolloutConfig:
     """Where the vLLM engine's weight-sync buffer lives: a tmpfs with room for one copy of the
     model in the engine dtype, kept while the engine runs."""
     weight_sync: str | None = None
-    """How the trainer's weights reach a vLLM engine: ipc (CUDA IPC on the engine's GPUs,
-    through vLLM's weight transfer; `weight_sync.ipc`) or shm (a buffer in shm_dir, through
-    host memory). None: ipc on GPUs, shm on CPU. An in-process engine on a GPU reads the
-    trainer's tensors directly either way."""
+    """How the trainer's weights reach a vLLM engine: ipc (CUDA IPC from every rank on the
+    engine's GPUs, through vLLM's weight transfer; `weight_sync.ipc`), nccl (a broadcast from
+    the engine's owner to an engine on GPUs of its own, through vLLM's weight transfer;
+    `weight_sync.nccl`) or shm (a buffer in shm_dir, through host memory). None: on GPUs ipc,
+    or nccl with placement=separate; shm on CPU. An in-process engine on a GPU reads the
+    trainer's tensors directly either way. ipc and nccl fall back to shm for a sync whose
+    shards cross nodes (a pipeline stage on another node)."""
     replicas: int | str = "auto"
     """Engine replicas: auto (on GPUs one engine per `tp` consecutive GPUs of every node, so
     that every GPU generates; on CPU one per node), per_node (one engine on each node, as
@@ -137,6 +140,12 @@ class RolloutConfig:
                 "on devices of their own: set rollout.placement=separate"
             )
         if not self.separate:
+            if self.weight_sync == "nccl":
+                raise ValueError(
+                    "rollout.weight_sync=nccl sends to engines on GPUs of their own (NCCL cannot "
+                    "join two processes on one GPU): set rollout.placement=separate, or leave it "
+                    "unset (ipc)"
+                )
             return
         if self.backend != "vllm" or self.in_process:
             raise ValueError(
@@ -150,8 +159,8 @@ class RolloutConfig:
             )
         if self.weight_sync == "ipc":
             raise ValueError(
-                "rollout.weight_sync=ipc shares the trainer's GPU memory with an engine on the "
-                "same GPU; with rollout.placement=separate leave it unset (shm)"
+                "rollout.weight_sync=ipc hands the engine tensors on the trainer's own GPUs; with "
+                "rollout.placement=separate leave it unset (nccl on GPUs, shm on CPU)"
             )
         if self.gpus_per_node % self.tp:
             raise ValueError(

@@ -4,7 +4,7 @@
      "level": L (sleep; else null), "tags": [...] (wake; else null)}
 
 `load` is a weight sync into the engine (`update_weights`, `load_shared_weights` or
-`receive_ipc`); `step` is the training step the call belongs to (0 before the first). On CPU,
+`receive`); `step` is the training step the call belongs to (0 before the first). On CPU,
 where sleeping frees nothing, the trace is how the order of a step's calls (docs/design.md,
 section 4) is proven.
 
@@ -70,9 +70,9 @@ class TracedEngine:
         self._write("load")
         self.engine.load_shared_weights()
 
-    def receive_ipc(self, send) -> None:
+    def receive(self, send) -> None:
         self._write("load")
-        self.engine.receive_ipc(send)
+        self.engine.receive(send)
 
 
 def read_calls(path: str | os.PathLike) -> list[dict]:

@@ -209,12 +209,12 @@ class VLLMEngine(EngineBase):
             self._engine_args["max_num_batched_tokens"] = max(max_model_len, 4096)
             if kv_cache_bytes is not None:
                 self._engine_args["kv_cache_memory_bytes"] = kv_cache_bytes
-        self.ipc = _use_ipc(weight_sync, in_process=self.in_process)
-        """Weight updates arrive over CUDA IPC through vLLM's weight transfer
-        (`receive_ipc`, `weight_sync.ipc`); else through the /dev/shm buffer, or in one
-        process on a GPU as the trainer's own tensors."""
-        if self.ipc:
-            self._engine_args["weight_transfer_config"] = {"backend": "ipc"}
+        self.transfer = _transfer(weight_sync, in_process=self.in_process, devices=self.devices)
+        """The vLLM weight transfer backend that updates arrive through (`receive`): "ipc"
+        (`weight_sync.ipc`) or "nccl" (`weight_sync.nccl`); None: the /dev/shm buffer, or in
+        one process on a GPU the trainer's own tensors."""
+        if self.transfer is not None:
+            self._engine_args["weight_transfer_config"] = {"backend": self.transfer}
         self.sleep_mode = self._engine_args["enable_sleep_mode"]
         self._finalizer = None
         if enable_sleep_mode and not self.sleep_mode:
@@ -404,17 +404,18 @@ class VLLMEngine(EngineBase):
     @property
     def buffered(self) -> bool:
         """`update_weights` and the shared-memory path go through the buffer (all but an
-        in-process GPU engine, which reads the trainer's tensors themselves). An engine with
-        `ipc` has the buffer too, for syncs whose shards cross nodes."""
+        in-process GPU engine, which reads the trainer's tensors themselves). An engine with a
+        `transfer` has the buffer too, for syncs whose shards cross nodes."""
         return not (self.in_process and torch.cuda.is_available())
 
-    def receive_ipc(self, send) -> None:
-        """Load the weights that `send(llm)` transfers into this engine (`weight_sync.ipc`:
-        every rank of the job sends at once, this engine's owner with its `vllm.LLM`)."""
-        if not self.ipc:
-            raise RuntimeError("this engine was not started for IPC weight updates")
+    def receive(self, send) -> None:
+        """Load the weights that `send(llm)` transfers into this engine through vLLM's weight
+        transfer (`weight_sync.ipc` or `.nccl`: every rank of the job sends at once, this
+        engine's owner with its `vllm.LLM`)."""
+        if self.transfer is None:
+            raise RuntimeError("this engine was not started for vLLM's weight transfer")
         self._load(lambda: send(self.llm))
-        self.last_load = "ipc"
+        self.last_load = self.transfer
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         stream = checked_weights(weights, self.shapes)
@@ -460,15 +461,27 @@ class VLLMEngine(EngineBase):
         return result
 
 
-def _use_ipc(weight_sync: str | None, *, in_process: bool) -> bool:
-    """rollout.weight_sync: ipc on GPUs with engine processes unless it says shm; an in-process
-    GPU engine reads the trainer's tensors directly, and CPU has no CUDA IPC."""
-    if weight_sync == "ipc" and (in_process or not torch.cuda.is_available()):
+def _transfer(
+    weight_sync: str | None, *, in_process: bool, devices: list[int] | None
+) -> str | None:
+    """rollout.weight_sync as this engine's vLLM weight transfer backend. Unset: ipc on GPUs
+    with engine processes. shm, an in-process GPU engine (it reads the trainer's tensors
+    directly) and CPU (no CUDA IPC or NCCL) take none. nccl needs the engine on GPUs other than
+    this rank's: NCCL refuses two ranks of one group on one GPU."""
+    cuda = torch.cuda.is_available()
+    if weight_sync in ("ipc", "nccl") and (in_process or not cuda):
         raise ValueError(
-            "rollout.weight_sync=ipc needs a GPU and engine processes: leave it unset (ipc on "
-            "GPUs, shm on CPU) or set shm"
+            f"rollout.weight_sync={weight_sync} needs a GPU and engine processes: leave it unset "
+            "(ipc on GPUs, shm on CPU) or set shm"
         )
-    return weight_sync != "shm" and not in_process and torch.cuda.is_available()
+    if weight_sync == "nccl" and (devices is None or torch.cuda.current_device() in devices):
+        raise ValueError(
+            "rollout.weight_sync=nccl needs the engine on GPUs the trainer does not use: set "
+            "rollout.placement=separate, or leave rollout.weight_sync unset"
+        )
+    if weight_sync == "shm" or in_process or not cuda:
+        return None
+    return weight_sync or "ipc"
 
 
 def _global_rank() -> int:

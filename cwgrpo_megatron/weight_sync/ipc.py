@@ -16,11 +16,11 @@ Nothing leaves the GPU. `megatron.publish.sync_weights` takes this path only whe
 engine's node holds every shard (no pipeline stage on another node): the export's
 collectives then stay inside the node. Otherwise it keeps the shared-memory buffers, whose plan
 sends a shard a node lacks across the network once for the node rather than once for each of
-its GPUs. Every engine GPU hosts a trainer rank in every placement `rollout.replicas` makes, so
-vLLM's `nccl` backend (engines on GPUs of their own) is not needed. vLLM's
-`IPCTrainerWeightTransferEngine` treats its "rank 0" as the one that drives the engine; here
-each engine owner is that sender for its own engine (`rank=0`), and the handle all-gather over
-the whole job merges every GPU's handle, of which each worker takes its own.
+its GPUs. This path needs a trainer rank on every engine GPU (rollout.placement=colocated);
+engines on GPUs of their own take `weight_sync.nccl`. vLLM's `IPCTrainerWeightTransferEngine`
+treats its "rank 0" as the one that drives the engine; here each engine owner is that sender
+for its own engine (`rank=0`), and the handle all-gather over the whole job merges every GPU's
+handle, of which each worker takes its own.
 
 Per sync and GPU, for Qwen2.5-Math-7B in bf16 (15.2 GB) at TP4 with an engine on every GPU
 (estimates; no GPU has run this): the TP all-gathers bring 11.4 GB over NVLink (~0.06-0.08 s),
@@ -35,77 +35,25 @@ our agreement.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
-import torch
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
 )
 
+from cwgrpo_megatron.weight_sync.transfer import HFSource, LLMClient, NoClient, largest_bytes
+
 BUFFER_BYTES = 1 << 30
 """The IPC buffer's least size (vLLM's default); it grows to the largest tensor."""
-
-
-class HFSource(WeightSource):
-    """A fresh pass over the trainer's model as HF tensors each time it is iterated."""
-
-    def __init__(
-        self,
-        tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
-        metadata: list[tuple[str, torch.dtype, tuple[int, ...]]],
-    ) -> None:
-        self._tensors = tensors
-        self._metadata = [ParamMeta(name, dtype, tuple(shape)) for name, dtype, shape in metadata]
-
-    def metadata(self) -> list[ParamMeta]:
-        return self._metadata
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._tensors()
-
-
-class LLMClient:
-    """vLLM's `VLLMWeightSyncClient` protocol over an offline `vllm.LLM` (in this process; its
-    engine processes do the loading)."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
-
-
-class NoClient:
-    """The client of a rank that owns no engine: it joins the collectives and ships nothing
-    (vLLM calls none of these on a rank that is not a sender)."""
-
-    def __getattr__(self, name: str):
-        raise RuntimeError(f"a rank without an engine was asked to {name}")
 
 
 def send_ipc(source: HFSource, llm=None, *, buffer_bytes: int = BUFFER_BYTES) -> None:
     """One sync: every rank of the job calls this at once; `llm` is the engine's `vllm.LLM`
     on its owner, None elsewhere. Collective over the default group (vLLM's handle
     all-gathers and barriers), and over each model-parallel group (the export)."""
-    largest = max(torch.Size(m.shape).numel() * m.dtype.itemsize for m in source.metadata())
     info = IPCTrainerInitInfo(
         rank=0 if llm is not None else 1,
         packed=True,
-        packed_buffer_size_bytes=max(buffer_bytes, largest),
+        packed_buffer_size_bytes=max(buffer_bytes, largest_bytes(source)),
     )
     client = LLMClient(llm) if llm is not None else NoClient()
     IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=source).send_weights()

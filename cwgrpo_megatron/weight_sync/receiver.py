@@ -1,15 +1,17 @@
 """What the weight sync needs of an engine: the receiver's side of the protocol, which every
 rollout engine implements (`rollout.base.RolloutEngine` extends it).
 
-Two paths, chosen by the engine (`megatron.publish.sync_weights` asks it):
+Three paths, chosen by the engine (`megatron.publish.sync_weights` asks it):
 
     buffer   `shared_weights(dtype)` hands out a shared-memory buffer laid out as the HF model
              (`weight_sync.shm`); the trainer's ranks write their shards into it, then
              `load_shared_weights()` loads it (in vLLM's worker: `weight_sync.vllm_worker`)
     stream   `update_weights(tensors)` takes the whole model as HF-named full tensors
              (`weight_sync.export`), for an engine without a buffer
-    ipc      `receive_ipc(send)`: vLLM engines on GPUs take the tensors every trainer rank
-             exports on its own GPU, over CUDA IPC (`weight_sync.ipc`)
+    transfer `receive(send)`: vLLM engines on GPUs take the tensors the trainer's ranks export
+             on their GPUs through vLLM's weight transfer: over CUDA IPC from every rank on
+             the engine's GPUs (`weight_sync.ipc`), or over NCCL from the engine's owner to
+             engines on GPUs of their own (`weight_sync.nccl`)
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ class WeightReceiver(Protocol):
     engine of another model)."""
     model_dir: str
     """The checkpoint the engine started from."""
-    ipc: bool
-    """Updates come through `receive_ipc`."""
+    transfer: str | None
+    """The vLLM weight transfer backend that `receive` takes ("ipc" or "nccl"); None: the
+    buffer or the stream."""
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named full tensors (the whole model, streamed); bumps `version`."""
@@ -50,7 +53,7 @@ class WeightReceiver(Protocol):
         `version`."""
         ...
 
-    def receive_ipc(self, send) -> None:
-        """Load what `send(llm)` transfers over CUDA IPC (`weight_sync.ipc.send_ipc`, which
-        every rank runs at once); bumps `version`."""
+    def receive(self, send) -> None:
+        """Load what `send(llm)` transfers (`weight_sync.ipc.send_ipc` or
+        `weight_sync.nccl.send_nccl`, which every rank runs at once); bumps `version`."""
         ...

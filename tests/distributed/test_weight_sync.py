@@ -101,15 +101,23 @@ def test_a_change_on_the_last_stage_reaches_the_engine(hf_dir):
 
 def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
     import torch.distributed as dist
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
     from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
     from cwgrpo_megatron.convert.mapping import hf_shapes
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
     from cwgrpo_megatron.dist.collectives import barrier, broadcast_object
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.publish import _ipc_source, fill_buffers, hf_weights, sync_plan
+    from cwgrpo_megatron.megatron.publish import (
+        _transfer_source,
+        fill_buffers,
+        hf_weights,
+        sync_plan,
+    )
     from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.weight_sync import shm
+    from cwgrpo_megatron.weight_sync.nccl import send_nccl
+    from cwgrpo_megatron.weight_sync.transfer import HFSource
 
     cfg = layout_config(
         tp=tp, pp=pp, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
@@ -133,9 +141,9 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
         fresh = shm.SharedWeights.from_message(buffer.to_message())._views()
         shared_equal = all(torch.equal(fresh[n], ckpt.get(n)) for n in ckpt.names())
         barrier(dist.group.WORLD)
-        # the GPU path's source, read as vLLM's IPC transfer reads it: its groups check that
+        # the GPU paths' source, read as vLLM's IPC transfer reads it: its groups check that
         # each tensor comes in the order metadata() declares; twice, as two syncs would
-        source = _ipc_source(actor.model, arch, "float32")
+        source = _transfer_source(actor.model, arch, "float32")
         ipc_equal, declared = True, {m.name: m for m in source.metadata()}
         for _ in range(2):
             for group_names, tensors in source.iter_groups():
@@ -143,12 +151,31 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
                     meta = declared[name]
                     ipc_equal &= (meta.dtype, meta.shape) == (tensor.dtype, tuple(tensor.shape))
                     ipc_equal &= torch.equal(tensor, ckpt.get(name))
+        # the NCCL sender's check of the same source (vLLM's, on the owner), and a rank
+        # without an engine joining the export once through vLLM's NCCL trainer engine
+        nccl_equal = all(
+            torch.equal(tensor, ckpt.get(name))
+            for name, tensor in NCCLTrainerWeightTransferEngine._checked_iter(
+                source, source.metadata()
+            )
+        )
+        passed = []
+
+        def counted():
+            for name, tensor in hf_weights(actor.model, arch, dtype="float32"):
+                passed.append(name)
+                yield name, tensor
+
+        declared_list = [(m.name, m.dtype, m.shape) for m in source.metadata()]
+        send_nccl(HFSource(counted, declared_list))
         return {
             "names": names,
             "streamed": streamed_equal,
             "shared": shared_equal,
             "ipc_names": [m.name for m in source.metadata()],
             "ipc": ipc_equal,
+            "nccl": nccl_equal,
+            "nccl_pass": passed,
         }
     finally:
         parallel.destroy()
@@ -156,10 +183,13 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
             shm.remove(buffer)
 
 
-def test_stream_shared_buffer_and_ipc_source_are_the_hf_checkpoint_bit_for_bit(hf_dir, tmp_path):
-    """TP2 x PP2: the streamed export, the shared buffer and the source the GPU path hands to
-    vLLM's IPC transfer (its order and shapes as declared, by vLLM's own check) all equal the
-    checkpoint on every rank."""
+def test_stream_shared_buffer_and_transfer_source_are_the_hf_checkpoint_bit_for_bit(
+    hf_dir, tmp_path
+):
+    """TP2 x PP2: the streamed export, the shared buffer and the source the GPU paths hand to
+    vLLM's IPC and NCCL transfers (its order and shapes as declared, by vLLM's own checks) all
+    equal the checkpoint on every rank; a rank without an engine passes once over the export
+    in vLLM's NCCL trainer engine (the owner's broadcast needs a GPU)."""
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
 
     out = run_distributed(_export, 4, hf_dir, 2, 2, str(tmp_path), timeout=180)
@@ -168,6 +198,7 @@ def test_stream_shared_buffer_and_ipc_source_are_the_hf_checkpoint_bit_for_bit(h
         assert sorted(result["names"]) == expected and len(result["names"]) == len(expected)
         assert result["streamed"] and result["shared"] and result["ipc"]
         assert result["ipc_names"] == result["names"]
+        assert result["nccl"] and result["nccl_pass"] == result["names"]
     assert list(tmp_path.iterdir()) == []
 
 

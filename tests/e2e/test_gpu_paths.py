@@ -67,3 +67,24 @@ def test_vllm_on_gpu_syncs_sleeps_and_generates(tmp_path):
     assert max(report["max_abs"]) < 1e-3  # GPU kernels may use TF32
     assert min(report["stale_max_abs"]) > 1e-2
     assert len(samples) == 2 and all(len(s) >= 1 for s in samples)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU for the engine")
+def test_an_engine_on_a_gpu_of_its_own_takes_its_weights_over_nccl(tiny, tmp_path):
+    """rollout.placement=separate on two GPUs: the trainer on GPU 0, the engine on GPU 1, one
+    step off; every sync goes over vLLM's NCCL transfer and the check after it passes."""
+    from tests.e2e.test_train import MODULE, check_run_folder, launch, torchrun, train_args
+
+    out = tmp_path / "run"
+    separate = (
+        "rollout.placement=separate",
+        "rollout.gpus_per_node=1",
+        "rollout.async_steps=1",
+        "run.verify_sync=1",
+    )
+    code, log = launch([*torchrun(1), "-m", MODULE, *train_args(tiny, out, *separate)])
+    assert code == 0, log
+    assert "weight sync path: nccl" in log and "weight sync path: shared" not in log
+    rows = check_run_folder(out, 3)
+    assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["sync/gap"] <= r["sync/tol"] for r in rows)

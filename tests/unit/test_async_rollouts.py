@@ -40,7 +40,16 @@ ASYNC = [*SEPARATE, "rollout.async_steps=1"]
         pytest.param([*SEPARATE, "rollout.in_process=true"], "in_process unset", id="in-process"),
         pytest.param([*SEPARATE, "rollout.backend=torch"], "rollout.backend=vllm", id="torch"),
         pytest.param([*SEPARATE, "rollout.sleep_level=2"], "leave it unset", id="sleep"),
-        pytest.param([*SEPARATE, "rollout.weight_sync=ipc"], "leave it unset (shm)", id="ipc"),
+        pytest.param(
+            [*SEPARATE, "rollout.weight_sync=ipc"],
+            "leave it unset (nccl on GPUs, shm on CPU)",
+            id="ipc",
+        ),
+        pytest.param(
+            ["rollout.weight_sync=nccl"],
+            "NCCL cannot join two processes on one GPU): set rollout.placement=separate",
+            id="nccl-colocated",
+        ),
         pytest.param(
             [*SEPARATE, "rollout.tp=2", "rollout.gpus_per_node=3"], "a multiple of it", id="gpus"
         ),

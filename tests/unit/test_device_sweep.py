@@ -242,29 +242,63 @@ def test_engines_sleep_by_default_on_a_gpu_and_not_on_cpu(cuda, expected):
 
 
 @pytest.mark.parametrize(
-    ("setting", "cuda", "in_process", "expected"),
+    ("setting", "cuda", "in_process", "devices", "expected"),
     [
-        (None, True, False, True),  # engine processes on GPUs: CUDA IPC
-        ("shm", True, False, False),  # the host-memory buffer, on request
-        (None, True, True, False),  # in-process on a GPU: the trainer's own tensors
-        (None, False, False, False),  # CPU: the /dev/shm buffer
-        ("shm", False, False, False),
+        (None, True, False, None, "ipc"),  # engine processes on GPUs: CUDA IPC
+        ("ipc", True, False, [0], "ipc"),
+        ("nccl", True, False, [1], "nccl"),  # an engine on a GPU of its own (this rank: GPU 0)
+        ("shm", True, False, None, None),  # the host-memory buffer, on request
+        (None, True, True, None, None),  # in-process on a GPU: the trainer's own tensors
+        (None, False, False, None, None),  # CPU: the /dev/shm buffer
+        ("shm", False, False, None, None),
     ],
 )
-def test_the_weight_sync_path_is_chosen_by_device(monkeypatch, setting, cuda, in_process, expected):
-    from cwgrpo_megatron.rollout.vllm_engine import _use_ipc
+def test_the_weight_sync_path_is_chosen_by_device(
+    monkeypatch, setting, cuda, in_process, devices, expected
+):
+    from cwgrpo_megatron.rollout.vllm_engine import _transfer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert _use_ipc(setting, in_process=in_process) is expected
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _transfer(setting, in_process=in_process, devices=devices) == expected
 
 
-@pytest.mark.parametrize(("cuda", "in_process"), [(False, False), (True, True)])
-def test_ipc_where_it_cannot_work_is_refused(monkeypatch, cuda, in_process):
-    from cwgrpo_megatron.rollout.vllm_engine import _use_ipc
+@pytest.mark.parametrize(
+    ("setting", "cuda", "in_process", "devices", "message"),
+    [
+        ("ipc", False, False, None, "weight_sync=ipc needs a GPU and engine processes"),
+        ("ipc", True, True, None, "weight_sync=ipc needs a GPU and engine processes"),
+        ("nccl", False, False, [1], "weight_sync=nccl needs a GPU and engine processes"),
+        ("nccl", True, False, [0, 1], "needs the engine on GPUs the trainer does not use"),
+        ("nccl", True, False, None, "needs the engine on GPUs the trainer does not use"),
+    ],
+)
+def test_a_transfer_where_it_cannot_work_is_refused(
+    monkeypatch, setting, cuda, in_process, devices, message
+):
+    from cwgrpo_megatron.rollout.vllm_engine import _transfer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    with pytest.raises(ValueError, match="rollout.weight_sync=ipc needs a GPU and engine proc"):
-        _use_ipc("ipc", in_process=in_process)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match=message):
+        _transfer(setting, in_process=in_process, devices=devices)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cuda", "expected"),
+    [
+        ([], True, None),  # colocated: the engine decides (ipc on GPUs)
+        (["rollout.placement=separate", "rollout.gpus_per_node=2"], True, "nccl"),
+        (["rollout.placement=separate"], False, "shm"),
+        (["rollout.placement=separate", "rollout.weight_sync=shm"], True, "shm"),
+        (["rollout.weight_sync=shm"], True, "shm"),
+    ],
+)
+def test_separate_engines_on_gpus_take_nccl_by_default(overrides, cuda, expected):
+    from cwgrpo_megatron.config import load_config
+    from cwgrpo_megatron.rollout import weight_sync_path
+
+    assert weight_sync_path(load_config(overrides=overrides).rollout, cuda=cuda) == expected
 
 
 def test_the_log_prob_chunk_is_chosen_by_device():

@@ -16,7 +16,9 @@ def test_dry_run_lists_every_check_and_the_wheels_a_folder_lacks(tmp_path, capsy
     assert main(["--dry-run"]) == 0
     out = capsys.readouterr().out
     names = runpy.run_path(str(TOOL), run_name="gpu_check")["CHECKS"]
-    assert {"sync_vllm_ipc", "sync_vllm", "vllm", "resume", "planner"} <= set(names)
+    assert {"sync_vllm_ipc", "sync_vllm_nccl", "sync_vllm", "vllm", "resume", "planner"} <= set(
+        names
+    )
     for name in names:
         assert f"check {name} " in out
     assert main(["--dry-run", "--wheels", str(tmp_path)]) == 1

@@ -151,10 +151,13 @@ def test_the_sleep_level_decides_what_the_engine_holds_in_each_phase(capsys):
 
 
 def test_the_planners_sync_sizes_are_the_syncs_own():
-    from cwgrpo_megatron.megatron.publish import TRANSFER_BUCKET_BYTES
-    from cwgrpo_megatron.weight_sync.ipc import BUFFER_BYTES
+    from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_NUM_BUFFERS
 
-    assert planner.IPC_BUFFER_BYTES == BUFFER_BYTES
+    from cwgrpo_megatron.megatron.publish import TRANSFER_BUCKET_BYTES
+    from cwgrpo_megatron.weight_sync import ipc, nccl
+
+    assert planner.IPC_BUFFER_BYTES == ipc.BUFFER_BYTES == nccl.BUFFER_BYTES
+    assert planner.NCCL_BUFFERS == DEFAULT_PACKED_NUM_BUFFERS  # what send_nccl leaves at default
     assert planner.SYNC_BUCKET_BYTES == TRANSFER_BUCKET_BYTES
     arch = ModelArch.recipe("qwen2p5_72b")  # stages on other nodes: the shm path's bucket
     assert planner.sync_bytes(arch, dtype="bfloat16", pp=4, nodes=8) == TRANSFER_BUCKET_BYTES
@@ -190,9 +193,12 @@ def test_separate_placement_plans_the_trainer_on_the_other_gpus(capsys):
         "placement": "separate",
         "engine_gpus_per_node": 2,
     }
-    # no engine bytes on a trainer GPU in any phase, and no sync buffers there
-    engine = {"engine weights", "KV cache", "engine other", "sync buffers"}
+    # no engine bytes on a trainer GPU in any phase; an owner sends over NCCL from two buffers
+    engine = {"engine weights", "KV cache", "engine other"}
     assert all(not engine & set(parts) for parts in separate["parts"].values())
+    embedding = 152_064 * 3_584 * 2
+    assert separate["parts"]["wake"]["sync buffers"] == 2 * max(1 << 30, embedding) + embedding
+    assert colocated["parts"]["wake"]["sync buffers"] == max(1 << 30, embedding) + embedding
     assert separate["per_gpu"]["vllm"] == 0
     # an engine holds its weights on its own GPU, and 4 times the sequences of one of 8
     assert separate["vllm"]["reserved"] == int(0.9 * 80 * 2**30)
