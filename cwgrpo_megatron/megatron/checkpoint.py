@@ -18,13 +18,10 @@ the kernel to be killed with its parent (`_results_queue`).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing as mp
 import os
 import shutil
-import signal
-import sys
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
@@ -32,6 +29,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cwgrpo_megatron.common.processes import die_with_parent
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.dist.collectives import barrier, job_rank, world_group
 from cwgrpo_megatron.megatron.cpu import on_cpu
@@ -112,25 +110,17 @@ def save_dist(sharded_state: dict, path: Path) -> None:
 _MANAGER: SyncManager | None = None
 
 
-def _die_with_parent() -> None:
-    """In the Manager's server process: SIGKILL when the process that started it dies
-    (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent died before the request
-            os._exit(1)
-
-
 def _results_queue() -> None:
     """Give Megatron's async filesystem writer its results queue (once per process) from a
-    Manager that dies with this process, before Megatron makes its own."""
+    Manager that dies with this process, before Megatron makes its own. (Spawned: its server
+    imports only `common.processes`, under a second where this module's imports take three.)"""
     global _MANAGER
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
         return
     _MANAGER = SyncManager(ctx=mp.get_context("spawn"))
-    _MANAGER.start(initializer=_die_with_parent)
+    _MANAGER.start(initializer=die_with_parent)
     filesystem_async._results_queue = _MANAGER.Queue()
 
 
