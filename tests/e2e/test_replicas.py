@@ -1,6 +1,6 @@
 """Rollout engine replicas across two "nodes": two torchrun launches side by side on this
 machine (`--nnodes 2 --node-rank {0,1}`), each with 2 processes and one vLLM engine, against
-one launch of 4 processes (one node, one engine). Tiny random Qwen2, configs/tiny_cpu.yaml.
+one process with one engine. Tiny random Qwen2, configs/tiny_cpu.yaml.
 Both trace their engines' calls at rollout.sleep_level=2 (traced on CPU, where it frees
 nothing), and evaluate after the last step: the two engines' evaluation equals the one's."""
 
@@ -20,7 +20,14 @@ import psutil
 import pytest
 
 from cwgrpo_megatron.megatron.launch import free_port
-from tests.e2e.test_train import LAUNCHER, metrics, same_run_as, train_args
+from tests.e2e.test_train import (
+    LAUNCHER,
+    launch,
+    metrics,
+    python_train,
+    same_run_as,
+    train_args,
+)
 from tests.engine_calls import expected_calls, replica_calls
 from tests.once import build_once
 
@@ -76,21 +83,22 @@ def launch_nodes(
 
 
 @pytest.fixture(scope="session")
-def one_node(tiny, tmp_path_factory) -> Path:
-    """The reference: one launch of 4 processes at TP2 x DP2, one engine (on rank 0), built
-    once per session (`tests/once.py`)."""
+def one_process(tiny, tmp_path_factory) -> Path:
+    """The reference: one process, one engine, built once per session (`tests/once.py`). The
+    replicas must train like it whatever their layout: the same completions at every step and
+    every value within the fp32 order of its sums (`same_run_as`)."""
 
     def build(folder: Path) -> Path:
         out = folder / "run"
-        ((code, log),) = launch_nodes(1, 4, train_args(tiny, out, "parallel.tp=2", *ARGS))
+        code, log = launch(python_train(tiny, out, *ARGS))
         assert code == 0, log
         assert "1 engine replicas" in log
-        # at TP2 x DP2 the one engine (rank 0's) sleeps after its rollouts, its weights wake
-        # for the sync, its KV cache after it; the evaluation comes when it is awake again
+        # the engine sleeps after its rollouts, its weights wake for the sync, its KV cache
+        # after it; the evaluation comes when it is awake again
         assert replica_calls(out / "engine_calls.jsonl", 0) == STEPS
         return out
 
-    return build_once(tmp_path_factory, "one_node", build)
+    return build_once(tmp_path_factory, "one_process", build)
 
 
 def _two_nodes(tiny, out: Path, *extra: str) -> list[dict]:
@@ -108,7 +116,7 @@ def _two_nodes(tiny, out: Path, *extra: str) -> list[dict]:
 
 
 def _same_run(rows: list[dict], reference: Path, out: Path) -> None:
-    """The same completions and metrics as the one-node run, and the same evaluation."""
+    """The same completions and metrics as the one-process run, and the same evaluation."""
     same_run_as(out, rows, reference)
     # the evaluation split over both engines: the same completions, scores and summary as one
     # engine's (its seeds go with the problems)
@@ -118,15 +126,17 @@ def _same_run(rows: list[dict], reference: Path, out: Path) -> None:
     assert len(one["samples"]) == 16 and ours == one  # 8 held-out problems x 2
 
 
-def test_tp2_in_each_node_dp2_across_two_replicas_train_like_one_node(tiny, one_node, tmp_path):
+def test_tp2_in_each_node_dp2_across_two_replicas_train_like_one_process(
+    tiny, one_process, tmp_path
+):
     out = tmp_path / "run"
     rows = _two_nodes(tiny, out, "parallel.tp=2")
     # each node holds a whole model copy: its ranks write their shards, nothing crosses nodes
     assert [r["sync/received_mb"] for r in rows] == [0.0, 0.0]
-    _same_run(rows, one_node, out)
+    _same_run(rows, one_process, out)
 
 
-def test_pp2_across_nodes_sends_each_node_the_other_stage(tiny, one_node, tmp_path):
+def test_pp2_across_nodes_sends_each_node_the_other_stage(tiny, one_process, tmp_path):
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
 
     out = tmp_path / "run"
@@ -140,7 +150,7 @@ def test_pp2_across_nodes_sends_each_node_the_other_stage(tiny, one_node, tmp_pa
     # node 0 holds stage 0 and receives stage 1, node 1 the other way round; the metric is
     # the larger of the two, measured on the receiving ranks
     assert [r["sync/received_mb"] for r in rows] == [max(stage.values()) / 2**20] * 2
-    _same_run(rows, one_node, out)
+    _same_run(rows, one_process, out)
 
 
 def test_a_killed_engine_stops_every_rank_and_keeps_the_checkpoints(tiny, tmp_path):
