@@ -76,7 +76,9 @@ def launch(cmd: list[str], *, env: dict | None = None, timeout: float = 420):
     """(exit code, output) of `cmd`, run in its own session with output in a file (a SIGKILLed
     trainer can leave helper processes that would hold pipes open); afterwards its whole
     process group is killed. A run past `timeout` gives code 124 and what it printed."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # one thread a process, as torchrun gives its workers: the suite's two workers share two
+    # cores, and a launch that takes both for each of its processes only adds switching
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     full_env["PATH"] = f"{Path(sys.executable).parent}:{full_env['PATH']}"  # torchrun
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(
