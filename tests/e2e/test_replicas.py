@@ -22,6 +22,7 @@ import pytest
 from cwgrpo_megatron.megatron.launch import free_port
 from tests.e2e.test_train import (
     LAUNCHER,
+    ONE_THREAD,
     launch,
     metrics,
     python_train,
@@ -47,7 +48,7 @@ def launch_nodes(
     with `args` (or args[node] for each); [(exit code, output)] per launch (124: still running
     at `timeout`). `watch(procs)` is called every 0.2 s while they run (the kill test's hook)."""
     per_node = args if isinstance(args[0], list) else [args] * nnodes
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     port, procs = free_port(), []
     with contextlib.ExitStack() as stack:

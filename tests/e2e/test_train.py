@@ -72,13 +72,17 @@ DYNAMIC = (
 (their reward stds are 0-0.21): rounds of 6 prompts until 4 groups have a std >= 0.15."""
 
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""One thread a process, trainer and engine, as torchrun gives its workers: the suite's two
+workers share two cores, and a launch whose every process takes both only adds switching.
+(A separate engine's cores, rollout.cpu_cores, still bind it.)"""
+
+
 def launch(cmd: list[str], *, env: dict | None = None, timeout: float = 420):
     """(exit code, output) of `cmd`, run in its own session with output in a file (a SIGKILLed
     trainer can leave helper processes that would hold pipes open); afterwards its whole
     process group is killed. A run past `timeout` gives code 124 and what it printed."""
-    # one thread a process, as torchrun gives its workers: the suite's two workers share two
-    # cores, and a launch that takes both for each of its processes only adds switching
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD, **(env or {})}
     full_env["PATH"] = f"{Path(sys.executable).parent}:{full_env['PATH']}"  # torchrun
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(
