@@ -107,7 +107,7 @@ def main() -> int:
     if args.quick:
         args.steps, args.prompts, args.group = 1, 4, 2
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    from cwgrpo_megatron.megatron.launch import free_port
+    from cwgrpo_megatron.common.processes import free_port
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1

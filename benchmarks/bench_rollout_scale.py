@@ -136,7 +136,7 @@ def run_mode(name: str, args, model: Path, data: Path, folder: Path) -> dict:
     launches, nproc, binds, layout = MODES[name]
     slug = name.replace(" ", "_").replace(",", "")
     result = folder / f"{slug}.json"
-    from cwgrpo_megatron.megatron.launch import free_port  # main put the repo on sys.path
+    from cwgrpo_megatron.common.processes import free_port  # main put the repo on sys.path
 
     port = free_port()
     procs = []

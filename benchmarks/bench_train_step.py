@@ -100,7 +100,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    from cwgrpo_megatron.megatron.launch import free_port
+    from cwgrpo_megatron.common.processes import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

@@ -137,7 +137,7 @@ def interleaved(methods: dict, repeats: int, *, everyone: set[str], rank: int) -
 
 
 def run_layout(hf_dir, world, repeats) -> dict:
-    from cwgrpo_megatron.megatron.launch import free_port
+    from cwgrpo_megatron.common.processes import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -82,8 +82,8 @@ SLEEP_RESIDUAL = 1 * GiB
 VLLM_WORKSPACE = 1 * GiB
 """vLLM's activation workspace inside its reservation (it profiles one max-size batch)."""
 IPC_BUFFER_BYTES = 1 * GiB
-"""`weight_sync.ipc.BUFFER_BYTES` and `weight_sync.nccl.BUFFER_BYTES`: the least size of each
-of vLLM's packed transfer buffers."""
+"""`weight_sync.transfer.BUFFER_BYTES`: the least size of each of vLLM's packed transfer
+buffers."""
 NCCL_BUFFERS = 2
 """vLLM's packed NCCL broadcast alternates between two buffers (one filling, one in flight)."""
 SYNC_BUCKET_BYTES = 256 << 20

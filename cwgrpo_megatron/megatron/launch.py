@@ -5,17 +5,11 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for single-host process groups)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cwgrpo_megatron.common.processes import free_port
 
 
 def init_distributed(*, timeout_s: int = 1800) -> None:

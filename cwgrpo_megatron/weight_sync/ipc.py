@@ -40,10 +40,13 @@ from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerWeightTransferEngine,
 )
 
-from cwgrpo_megatron.weight_sync.transfer import HFSource, LLMClient, NoClient, largest_bytes
-
-BUFFER_BYTES = 1 << 30
-"""The IPC buffer's least size (vLLM's default); it grows to the largest tensor."""
+from cwgrpo_megatron.weight_sync.transfer import (
+    BUFFER_BYTES,
+    HFSource,
+    LLMClient,
+    NoClient,
+    largest_bytes,
+)
 
 
 def send_ipc(source: HFSource, llm=None, *, buffer_bytes: int = BUFFER_BYTES) -> None:

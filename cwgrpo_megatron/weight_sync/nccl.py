@@ -31,7 +31,6 @@ onto the engine's GPU: 2-5 s.
 
 from __future__ import annotations
 
-import socket
 import weakref
 
 from vllm.distributed.weight_transfer.nccl_engine import (
@@ -39,10 +38,14 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLTrainerWeightTransferEngine,
 )
 
-from cwgrpo_megatron.weight_sync.transfer import HFSource, LLMClient, NoClient, largest_bytes
-
-BUFFER_BYTES = 1 << 30
-"""Each of the two packed buffers' least size (vLLM's default); it grows to the largest tensor."""
+from cwgrpo_megatron.common.processes import free_port
+from cwgrpo_megatron.weight_sync.transfer import (
+    BUFFER_BYTES,
+    HFSource,
+    LLMClient,
+    NoClient,
+    largest_bytes,
+)
 
 _senders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """An owner's open transfer to each of its engines, by the engine's `vllm.LLM`."""
@@ -71,16 +74,10 @@ def _open(llm, source: HFSource, buffer_bytes: int) -> NCCLTrainerWeightTransfer
     workers = llm.llm_engine.vllm_config.parallel_config.world_size
     info = NCCLTrainerInitInfo(
         master_address="127.0.0.1",
-        master_port=_free_port(),
+        master_port=free_port(),
         world_size=1 + workers,
         rank=0,
         packed=True,
         packed_buffer_size_bytes=max(buffer_bytes, largest_bytes(source)),
     )
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=LLMClient(llm), source=source)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

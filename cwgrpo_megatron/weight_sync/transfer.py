@@ -14,6 +14,10 @@ from collections.abc import Callable, Iterator
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
+BUFFER_BYTES = 1 << 30
+"""The least size of each packed transfer buffer, IPC's one and NCCL's two (vLLM's default); a
+buffer grows to the largest tensor."""
+
 
 class HFSource(WeightSource):
     """A fresh pass over the trainer's model as HF tensors each time it is iterated."""

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cwgrpo_megatron.megatron.launch import free_port
+from cwgrpo_megatron.common.processes import free_port
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 _POLL_S = 2.0  # how often an idle worker checks that its pytest process is still there

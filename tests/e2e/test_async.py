@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from cwgrpo_megatron.megatron.launch import free_port
+from cwgrpo_megatron.common.processes import free_port
 from tests.e2e.test_train import (
     KILL_SCRIPT,
     LAUNCHER,

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cwgrpo_megatron.megatron.launch import free_port
+from cwgrpo_megatron.common.processes import free_port
 from tests.e2e.test_train import (
     LAUNCHER,
     ONE_THREAD,

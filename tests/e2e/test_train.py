@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cwgrpo_megatron.megatron.launch import free_port
+from cwgrpo_megatron.common.processes import free_port
 from tests.distributed.harness import run_tool
 from tests.engine_calls import expected_calls, replica_calls
 from tests.once import build_once

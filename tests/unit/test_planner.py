@@ -154,9 +154,9 @@ def test_the_planners_sync_sizes_are_the_syncs_own():
     from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_NUM_BUFFERS
 
     from cwgrpo_megatron.megatron.publish import TRANSFER_BUCKET_BYTES
-    from cwgrpo_megatron.weight_sync import ipc, nccl
+    from cwgrpo_megatron.weight_sync.transfer import BUFFER_BYTES
 
-    assert planner.IPC_BUFFER_BYTES == ipc.BUFFER_BYTES == nccl.BUFFER_BYTES
+    assert planner.IPC_BUFFER_BYTES == BUFFER_BYTES
     assert planner.NCCL_BUFFERS == DEFAULT_PACKED_NUM_BUFFERS  # what send_nccl leaves at default
     assert planner.SYNC_BUCKET_BYTES == TRANSFER_BUCKET_BYTES
     arch = ModelArch.recipe("qwen2p5_72b")  # stages on other nodes: the shm path's bucket
