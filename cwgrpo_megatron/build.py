@@ -1,8 +1,9 @@
 """Build a run's parts from its config, in the order that fails cheapest first.
 
-    engine replicas  ->  run folder (rank 0)  ->  tokenizer and prompts  ->  Megatron groups,
-      model and optimizer  ->  rollout engines and rewards (each replica's owner)  ->  weight
-      sync plan  ->  sync-check calibration  ->  resume from a checkpoint  ->  env.json, metrics
+    engine replicas  ->  run folder (rank 0; every node must see it)  ->  tokenizer and
+      prompts  ->  Megatron groups, model and optimizer  ->  rollout engines and rewards (each
+      replica's owner)  ->  weight sync plan  ->  sync-check calibration  ->  resume from a
+      checkpoint  ->  env.json, metrics
 
 Each phase that can fail on some ranks only runs under `fail_together`, so every rank raises
 the same error instead of waiting for a peer that is gone. What was started before a failure
@@ -14,10 +15,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
 
+from cwgrpo_megatron.common.settings import check_length
 from cwgrpo_megatron.components.inputs import Inputs
 from cwgrpo_megatron.components.rollouts import Rollouts
 from cwgrpo_megatron.components.sync import WeightSync
@@ -28,6 +32,7 @@ from cwgrpo_megatron.dist import (
     all_gather_or_fail,
     close_control_group,
     fail_together,
+    node_of_each_rank,
     open_control_group,
     world_group,
 )
@@ -38,8 +43,10 @@ from cwgrpo_megatron.megatron.train_step import Actor, build_actor
 from cwgrpo_megatron.run.run_dir import (
     RunDir,
     checkpoint_to_resume,
+    mark_node,
     prepare,
     rewind_metrics,
+    wait_for_nodes,
     write_env,
 )
 from cwgrpo_megatron.run.tracking import Tracker
@@ -48,17 +55,23 @@ from cwgrpo_megatron.trainer import LoopState, Trainer
 log = logging.getLogger("cwgrpo_megatron.train")
 
 
-def build_trainer(cfg: Config) -> Trainer:
-    """Every part of the run on this rank. Each part that holds a resource registers its
-    release on one ExitStack as it is built; a failure releases what was built, and the
-    Trainer's `close` releases the rest, in one order: metric sinks, reward workers, Megatron's
-    groups, then the engines (an in-process vLLM engine ends torch.distributed)."""
+def build_trainer(cfg: Config, *, sources: Sequence[str] = ()) -> Trainer:
+    """Every part of the run on this rank; `sources` (`config.config_sources`) head the run's
+    config.yaml. Each part that holds a resource registers its release on one ExitStack as it
+    is built; a failure releases what was built, and the Trainer's `close` releases the rest,
+    in one order: metric sinks, reward workers, Megatron's groups, then the engines (an
+    in-process vLLM engine ends torch.distributed)."""
     group = world_group()
     cfg.check_world(dist.get_world_size())
     open_control_group(cfg.run.collective_timeout_min)  # the agreements' waits: gloo, bounded
     replicas = Rollouts.place(cfg, group)
     with fail_together("preparing the run folder", group):
-        run = prepare(cfg) if dist.get_rank() == 0 else RunDir(Path(cfg.run.out_dir).resolve())
+        run = (
+            prepare(cfg, sources=sources)
+            if dist.get_rank() == 0
+            else RunDir(Path(cfg.run.out_dir).resolve())
+        )
+    _check_shared_folder(run, group, wait_s=cfg.run.shared_dir_wait_s)
     inputs = Inputs.read(cfg, group, evaluators=replicas.owners)
     with contextlib.ExitStack() as stack:
         engines = stack.enter_context(contextlib.ExitStack())  # entered first: released last
@@ -92,9 +105,41 @@ def build_trainer(cfg: Config) -> Trainer:
         )
 
 
+def _check_shared_folder(run: RunDir, group, *, wait_s: float) -> None:
+    """Every node's first rank writes a marker into the run folder and rank 0 waits for them
+    all (`run_dir.mark_node`, `wait_for_nodes`): a node that does not see rank 0's folder
+    stops the run on every rank before anything is built. Two all_gather_objects, then one in
+    `fail_together`; the markers are removed again. Nothing happens on one node."""
+    nodes = node_of_each_rank(group)
+    if len(set(nodes)) == 1:
+        return
+    rank = dist.get_rank()
+    hosts_tokens = all_gather_objects((socket.gethostname(), uuid.uuid4().hex[:12]), group)
+    token = hosts_tokens[0][1]  # rank 0's: this start's markers, never an earlier start's
+    order = list(dict.fromkeys(nodes))
+    names: dict[int, str] = {}
+    for node, (host, _) in zip(nodes, hosts_tokens, strict=True):
+        names.setdefault(order.index(node), node if node == host else f"{node} ({host})")
+    marker = None
+    try:
+        with fail_together("checking that run.out_dir is shared", group):
+            if nodes.index(nodes[rank]) == rank:
+                marker = mark_node(run, token, order.index(nodes[rank]), wait_s=wait_s)
+            if rank == 0:
+                wait_for_nodes(run, token, names, wait_s=wait_s)
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+
+
 def _build_actor(cfg: Config, arch: ModelArch, group) -> Actor:
     """The policy (model, DDP, optimizer, schedule) from model.path, in Megatron's groups."""
     with fail_together("loading the model", group):
+        check_length(
+            ("data.max_prompt_tokens", cfg.data.max_prompt_tokens),
+            ("rollout.max_tokens", cfg.rollout.max_tokens),
+            ("model.path's max_position_embeddings", arch.max_position_embeddings),
+        )
         if cfg.rollout.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "

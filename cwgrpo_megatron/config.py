@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shlex
 import types
 import typing
 import warnings
@@ -27,7 +28,12 @@ from typing import Any
 import yaml
 
 from cwgrpo_megatron.algo.config import AlgoConfig
-from cwgrpo_megatron.common.settings import ConfigWarning, check_choice, check_range
+from cwgrpo_megatron.common.settings import (
+    ConfigWarning,
+    check_choice,
+    check_length,
+    check_range,
+)
 from cwgrpo_megatron.data.config import DataConfig
 from cwgrpo_megatron.data.names import CHAT_TEMPLATES
 from cwgrpo_megatron.eval.config import EvalConfig
@@ -48,6 +54,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "TrainConfig",
+    "config_sources",
     "dump_config",
     "load_config",
 ]
@@ -87,8 +94,11 @@ class OptimConfig:
     weight_decay: float = 0.0
     """Decoupled weight decay (Adam) / L2 (SGD)."""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
     adam_beta2: float = 0.99
+    """Adam's second-moment decay."""
     adam_eps: float = 1e-8
+    """Adam's denominator epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     use_distributed_optimizer: bool = False
@@ -300,6 +310,11 @@ class RunConfig:
     on CPU is not seen otherwise."""
     samples_gzip: bool = True
     """Write samples/step_NNNNNNNN.jsonl.gz (gzip) rather than plain .jsonl."""
+    shared_dir_wait_s: float = 60.0
+    """How long rank 0 waits at start for every node's marker in out_dir, which every rank
+    writes checkpoint shards into: a node whose marker does not appear (a node-local folder)
+    stops the run. A network file system can show another node's new file late (NFS: up to
+    its attribute cache's 30-60 s)."""
     collective_timeout_min: float = 240.0
     """How long a rank waits for the others at a phase's agreement (`dist.fail_together` and
     the job's other object collectives, which go over a gloo group beside NCCL): long enough
@@ -316,6 +331,7 @@ class RunConfig:
         check_choice("run.export_hf", self.export_hf, EXPORT_MODES)
         check_range("run.verify_sync_tol", self.verify_sync_tol, low=0.0)
         check_range("run.collective_timeout_min", self.collective_timeout_min, low=0.01)
+        check_range("run.shared_dir_wait_s", self.shared_dir_wait_s, low=0.0)
         if not self.resume:
             raise ValueError("run.resume is empty: use auto, none or a checkpoint folder")
 
@@ -332,6 +348,7 @@ class LoggingConfig:
     wandb_mode: str = "disabled"
     """Weights & Biases: disabled, offline (files in out_dir/wandb) or online."""
     wandb_project: str = "cwgrpo"
+    """The W&B project."""
     wandb_name: str | None = None
     """The W&B run name; None: the name of run.out_dir."""
 
@@ -369,12 +386,12 @@ class Config:
     def __post_init__(self) -> None:
         """Checks that span sections."""
         d, r, t = self.data, self.rollout, self.train
-        if d.max_prompt_tokens + r.max_tokens > r.max_model_len:
-            raise ValueError(
-                f"data.max_prompt_tokens={d.max_prompt_tokens} + rollout.max_tokens="
-                f"{r.max_tokens} exceed rollout.max_model_len={r.max_model_len}: lower one of "
-                "the first two or raise the third"
-            )
+        check_length(
+            ("data.max_prompt_tokens", d.max_prompt_tokens),
+            ("rollout.max_tokens", r.max_tokens),
+            ("rollout.max_model_len", r.max_model_len),
+            also=", or raise rollout.max_model_len",
+        )
         budget = t.max_tokens_per_micro_batch
         longest = d.max_prompt_tokens + r.max_tokens
         if budget is not None and budget < longest:
@@ -452,9 +469,12 @@ def load_config(
     path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     overrides: Sequence[str] = (),
 ) -> Config:
-    """Defaults <- YAML file(s) at `path` (later files win, key by key within a section) <-
-    `overrides` such as ``algo.kl_beta=0.04``."""
-    paths = [] if path is None else [path] if isinstance(path, str | os.PathLike) else list(path)
+    """Defaults <- YAML file(s) at `path` <- `overrides` such as ``algo.kl_beta=0.04``.
+
+    Each file overrides the ones before it key by key within a section: a recipe, then an
+    overlay that sets `algo.policy_loss` alone, keeps every other key of the recipe. A value that
+    is itself a mapping (reward.weights) is replaced whole, as an override replaces it."""
+    paths = _paths(path)
     data: dict[str, Any] = {}
     for one in paths:
         for section, values in _read_yaml(one).items():
@@ -483,11 +503,35 @@ def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return dict(loaded)
 
 
-def dump_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML, atomically (temp file in the same folder, rename)."""
+def _paths(path: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list:
+    return [] if path is None else [path] if isinstance(path, str | os.PathLike) else list(path)
+
+
+def config_sources(
+    path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    overrides: Sequence[str] = (),
+) -> list[str]:
+    """What `load_config(path, overrides)` merged, in order: each file's absolute path, then
+    the overrides as one shell-quoted line (when there are any; a newline shows as \\n)."""
+    sources = [str(Path(p).resolve()) for p in _paths(path)]
+    if overrides:
+        line = " ".join(shlex.quote(o) for o in overrides).replace("\n", "\\n")
+        sources.append(f"overrides: {line}")
+    return sources
+
+
+def dump_config(cfg: Config, path: str | os.PathLike, *, sources: Sequence[str] = ()) -> None:
+    """Write the resolved config as YAML, atomically (temp file in the same folder, rename).
+    `sources` (`config_sources`) head the file as comments, so that it still loads as a config
+    and says where each value came from."""
     from cwgrpo_megatron.common.files import write_atomic
 
-    write_atomic(path, yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    head = ["# The resolved config of this start: the defaults of cwgrpo_megatron/config.py"]
+    if sources:
+        head[0] += ", then, each overriding those before it:"
+        head += [f"#   {i}. {source}" for i, source in enumerate(sources, 1)]
+    body = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    write_atomic(path, "\n".join(head) + "\n" + body)
 
 
 def _apply_override(data: dict[str, Any], item: str) -> None:

@@ -3,7 +3,9 @@
     python -m cwgrpo_megatron.train --config FILE [--config FILE2 ...] [section.key=value ...]
     torchrun --nproc-per-node N -m cwgrpo_megatron.train --config FILE ...   (any TP x PP x DP)
 
-Later files and overrides win. The run writes into run.out_dir (see `run_dir`) and continues
+Each file overrides the ones before it, key by key, and the overrides come last: a recipe, then
+an overlay such as configs/grpo_open_rs.yaml. A launcher (examples/train_cwgrpo_*.sh) puts its
+recipe first. The run writes into run.out_dir (see `run_dir`) and continues
 from its newest checkpoint when started again (run.resume=auto). Exit code 0 on success; on
 failure 1, with the error printed on every rank (a rank whose peer failed says which one).
 """
@@ -64,23 +66,23 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, PeerFailure, SyncMismatchError, EngineDeadError, RewardError)
 
 
-def run(argv=None, *, default_config: str | None = None) -> int:
-    """Parse, build, train, close, in an initialised process group; the exit code.
-    `default_config` (a launcher's recipe) is used when no --config is given."""
+def run(argv=None, *, recipe: str | None = None) -> int:
+    """Parse, build, train, close, in an initialised process group; the exit code. `recipe`
+    (a launcher's config) comes first: every --config file stacks on it, in order."""
     args = parse(argv)
-    if not args.config and default_config is not None:
-        args.config = [default_config]
+    configs = ([] if recipe is None else [recipe]) + args.config
     import torch.distributed as dist
 
     from cwgrpo_megatron.build import build_trainer
-    from cwgrpo_megatron.config import load_config
+    from cwgrpo_megatron.config import config_sources, load_config
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     setup_logging(rank)
     log = logging.getLogger("cwgrpo_megatron.train")
     trainer = None
     try:
-        trainer = build_trainer(load_config(args.config, args.overrides))
+        cfg = load_config(configs, args.overrides)
+        trainer = build_trainer(cfg, sources=config_sources(configs, args.overrides))
         trainer.fit()
     except Exception as err:
         # said before closing (stopping an engine takes seconds): once one rank of a node
@@ -122,14 +124,14 @@ def _close(trainer, rank: int, log: logging.Logger) -> bool:
     return True
 
 
-def main(argv=None, *, default_config: str | None = None) -> int:
+def main(argv=None, *, recipe: str | None = None) -> int:
     """`run` in the process group of torchrun's environment, or of this process alone."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
 
     init_distributed()
     try:
-        return run(argv, default_config=default_config)
+        return run(argv, recipe=recipe)
     finally:
         shutdown()
 

@@ -8,7 +8,7 @@
 #   MASTER_PORT (29500) and GPUS_PER_NODE (8).
 # Python: torchrun runs the recipe script with Python, which reads everything from `""":"` to
 #   `":"""` as a string and runs this file with RECIPE set (runpy); what follows the string
-#   starts the trainer with configs/RECIPE.yaml as the default config. The here-document after
+#   starts the trainer on configs/RECIPE.yaml, with every --config of ARGS stacked on it. The here-document after
 #   `exec` (read by bash, never run) hides the Python code from bash up to the last line,
 #   `pass`, which does nothing in Python.
 """:"
@@ -31,5 +31,5 @@ from cwgrpo_megatron.train import main
 # name: only the launched process trains
 if __name__ == "__main__":
     recipe = str(REPO / "configs" / f"{RECIPE}.yaml")  # RECIPE: set by the recipe script
-    sys.exit(main(sys.argv[1:], default_config=recipe))
+    sys.exit(main(sys.argv[1:], recipe=recipe))
 pass

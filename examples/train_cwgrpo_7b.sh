@@ -5,9 +5,10 @@
 #       examples/train_cwgrpo_7b.sh model.path=/models/Qwen2.5-Math-7B [--config F] [key=value]
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash examples/train_cwgrpo_7b.sh model.path=...
 #
-# Arguments go to `python -m cwgrpo_megatron.train`: `--config FILE` (repeatable; when one is
-# given it replaces the default recipe) and `section.key=value` overrides. This file only names
-# the recipe; examples/launch.sh is the launcher that both forms run, and says how.
+# Arguments go to `python -m cwgrpo_megatron.train` after the recipe: `--config FILE` overlays
+# (repeatable, each on the ones before it, e.g. configs/grpo_open_rs.yaml for the GRPO baseline)
+# and `section.key=value` overrides. This file only names the recipe; examples/launch.sh is the
+# launcher that both forms run, and says how.
 """:"
 exec bash "$(dirname "$0")/launch.sh" "$0" "$@"
 : <<'pass'

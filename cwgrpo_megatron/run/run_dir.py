@@ -1,6 +1,6 @@
 """The run folder (`run.out_dir`) and what a resumed run finds in it.
 
-    config.yaml                 the resolved config of the latest start
+    config.yaml                 the resolved config of the latest start, headed by its sources
     env.json                    package versions, layout, hostnames, git revision
     metrics.jsonl               one JSON line per step, appended and flushed
     samples/step_NNNNNNNN.jsonl[.gz]   each step's prompts, completions, rewards, finish reasons
@@ -22,8 +22,12 @@ import dataclasses
 import gzip
 import importlib.metadata
 import json
+import os
 import platform
+import socket
 import subprocess
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from cwgrpo_megatron.common.files import write_atomic
@@ -78,20 +82,77 @@ class RunDir:
         return self.root / "summary.txt"
 
 
-def prepare(cfg: Config) -> RunDir:
-    """Create the folder and write config.yaml (rank 0): fails here, before anything is built,
-    when the folder cannot be written."""
+def run_folder_of(path: str | os.PathLike) -> RunDir | None:
+    """The run whose folder `path` is, or lies in as its hf/ export, a checkpoints/step_N or
+    that checkpoint's model/ folder; None for a model from elsewhere. A run folder holds
+    config.yaml and env.json (written once the run was built)."""
+    path = Path(path).resolve()
+    for tail in ((), ("hf",), ("checkpoints", "*"), ("checkpoints", "*", "model")):
+        if len(path.parts) <= len(tail):
+            continue
+        root = path.parents[len(tail) - 1] if tail else path
+        below = path.parts[len(path.parts) - len(tail) :]
+        fits = all(want in ("*", part) for want, part in zip(tail, below, strict=True))
+        if fits and (root / "config.yaml").is_file() and (root / "env.json").is_file():
+            return RunDir(root)
+    return None
+
+
+def prepare(cfg: Config, *, sources: Sequence[str] = ()) -> RunDir:
+    """Create the folder and write config.yaml (rank 0), headed by the config's `sources`
+    (`config.config_sources`): fails here, before anything is built, when the folder cannot be
+    written."""
     run = RunDir(Path(cfg.run.out_dir).resolve())
     try:
         for sub in ("", "samples", "eval"):
             (run.root / sub).mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, run.root / "config.yaml")
+        dump_config(cfg, run.root / "config.yaml", sources=sources)
     except OSError as err:
         raise ValueError(
             f"run.out_dir={cfg.run.out_dir} cannot be written ({err.strerror or err}): choose a "
             "folder you can write to"
         ) from err
     return run
+
+
+SHARED_POLL_S = 0.1
+
+
+def mark_node(run: RunDir, token: str, node: int, *, wait_s: float) -> Path:
+    """Write node `node`'s marker for start `token` into the run folder (each node's first
+    rank, once rank 0 has created the folder); the marker. ValueError when the folder does not
+    appear here within `wait_s` seconds: this node does not see rank 0's run.out_dir."""
+    deadline = time.monotonic() + wait_s
+    while not run.root.is_dir():
+        if time.monotonic() > deadline:
+            raise ValueError(
+                f"run.out_dir={run.root} does not exist on this node {wait_s:g} s after rank 0 "
+                f"created it on its own: {SHARED_FIX}"
+            )
+        time.sleep(SHARED_POLL_S)
+    return write_atomic(run.root / f".node-{token}-{node}", socket.gethostname())
+
+
+def wait_for_nodes(run: RunDir, token: str, nodes: dict[int, str], *, wait_s: float) -> None:
+    """Rank 0: wait up to `wait_s` seconds for the marker of every node of `nodes` (index ->
+    its name), then ValueError naming the nodes whose markers it does not see."""
+    deadline = time.monotonic() + wait_s
+    while missing := [n for n in nodes if not (run.root / f".node-{token}-{n}").exists()]:
+        if time.monotonic() > deadline:
+            names = ", ".join(nodes[n] for n in missing)
+            raise ValueError(
+                f"run.out_dir={run.root} is not shared by every node: after {wait_s:g} s rank 0 "
+                f"sees no marker from {names} (each node's first rank writes one there at "
+                f"start), and every rank writes its checkpoint shards there: {SHARED_FIX}"
+            )
+        time.sleep(SHARED_POLL_S)
+
+
+SHARED_FIX = (
+    "point run.out_dir at one folder of a file system that every node mounts at the same path "
+    "(not node-local disk); if that file system shows other nodes' files late, raise "
+    "run.shared_dir_wait_s"
+)
 
 
 def checkpoint_to_resume(cfg: Config, run: RunDir) -> Path | None:

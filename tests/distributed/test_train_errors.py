@@ -50,6 +50,8 @@ def _cases(root: Path, model: Path) -> dict[str, list[str]]:
             "r", f"data.train_files=[{bad}]", "data.schema=answer", "data.skip_bad_rows=false"
         ),
         "all-prompts-too-long": args("l", "data.max_prompt_tokens=2"),
+        # the tiny model has 256 positions: within rollout.max_model_len, beyond the model
+        "longer-than-positions": args("p", "rollout.max_tokens=240", "rollout.max_model_len=300"),
         "unknown-key": args("k", "train.sead=1"),
         "batch-algebra": args("b", "parallel.tp=1", "train.prompts_per_step=3"),
         "unwritable-out-dir": args("u", f"run.out_dir={blocker / 'run'}"),
@@ -125,6 +127,13 @@ def results(tmp_path_factory):
             "all-prompts-too-long",
             "all 12 prompts are longer than data.max_prompt_tokens=2",
             id="too-long",
+        ),
+        pytest.param(
+            "longer-than-positions",
+            "data.max_prompt_tokens=48 + rollout.max_tokens=240 = 288 tokens exceed model.path's "
+            "max_position_embeddings=256: lower rollout.max_tokens to 208 or less, or "
+            "data.max_prompt_tokens",
+            id="positions",
         ),
         pytest.param("unknown-key", "unknown key 'train.sead'", id="unknown-key"),
         pytest.param(

@@ -32,6 +32,7 @@ from tests.e2e.test_train import (
     launch,
     metrics,
     python_train,
+    run_args,
     same_run_as,
     torchrun,
     train_args,
@@ -132,7 +133,7 @@ def test_sigkill_in_step_2_at_dp2_then_resume_is_the_uninterrupted_run(async_run
     # killed when step 2's update began: step 3's generation may have started or not
     assert killed in (CALLS[:3], CALLS[:4]), killed
     env = {"NNODES": "1", "GPUS_PER_NODE": "2", "MASTER_PORT": str(free_port())}
-    resume = ["bash", str(LAUNCHER), *train_args(tiny, out, *ASYNC, "run.resume=auto")]
+    resume = ["bash", str(LAUNCHER), *run_args(tiny, out, *ASYNC, "run.resume=auto")]
     code, log = launch(resume, env=env)
     assert code == 0, log
     assert "resumed from" in log and "at step 1" in log

@@ -26,8 +26,8 @@ from tests.e2e.test_train import (
     launch,
     metrics,
     python_train,
+    run_args,
     same_run_as,
-    train_args,
 )
 from tests.engine_calls import expected_calls, replica_calls
 from tests.once import build_once
@@ -103,7 +103,7 @@ def one_process(tiny, tmp_path_factory) -> Path:
 
 
 def _two_nodes(tiny, out: Path, *extra: str) -> list[dict]:
-    runs = launch_nodes(2, 2, train_args(tiny, out, *extra, *ARGS))
+    runs = launch_nodes(2, 2, run_args(tiny, out, *extra, *ARGS))
     for code, log in runs:
         assert code == 0, log
     assert "2 engine replicas (owners: ranks 0, 2) on 2 nodes" in runs[0][1]
@@ -170,7 +170,7 @@ def test_a_killed_engine_stops_every_rank_and_keeps_the_checkpoints(tiny, tmp_pa
     # one rank a node (DP2 over the nodes), each owning its node's engine
     extra = ("train.total_steps=4", "run.save_every=1", "run.keep_last=4")
     started = time.monotonic()
-    runs = launch_nodes(2, 1, train_args(tiny, out, *extra), watch=kill_node1_engine_after_step1)
+    runs = launch_nodes(2, 1, run_args(tiny, out, *extra), watch=kill_node1_engine_after_step1)
     assert killed, "node 1's engine was never found"
     assert time.monotonic() - started < 300
     logs = "\n".join(log for _, log in runs)
@@ -197,7 +197,7 @@ def test_a_node_with_another_model_is_refused_before_the_first_step(tiny, tmp_pa
 
     other = save_tiny_qwen2(tmp_path / "other", end_tokens=32, intermediate_size=384)
     out = tmp_path / "run"
-    runs = launch_nodes(2, 1, [train_args(tiny, out, *ARGS), train_args(other, out, *ARGS)])
+    runs = launch_nodes(2, 1, [run_args(tiny, out, *ARGS), run_args(other, out, *ARGS)])
     logs = "\n".join(log for _, log in runs)
     assert [code for code, _ in runs] == [1, 1], logs
     for rank, path in ((0, tiny), (1, other)):
@@ -205,3 +205,22 @@ def test_a_node_with_another_model_is_refused_before_the_first_step(tiny, tmp_pa
         assert said in logs, logs
     assert "ffn_hidden_size: 256 vs 384" in logs and "every node must hold the same" in logs
     assert not (out / "metrics.jsonl").exists() or not metrics(out)
+
+
+def test_nodes_that_do_not_share_run_out_dir_are_refused_at_start(tiny, tmp_path):
+    """Node 1 is given a folder of its own (as node-local disk would be): rank 0 does not see
+    its marker and every rank stops before the model is read, leaving no marker behind."""
+    shared, local = tmp_path / "node0" / "run", tmp_path / "node1" / "run"
+    local.mkdir(parents=True)
+    wait = "run.shared_dir_wait_s=2"
+    runs = launch_nodes(2, 1, [run_args(tiny, out, *ARGS, wait) for out in (shared, local)])
+    logs = "\n".join(log for _, log in runs)
+    assert [code for code, _ in runs] == [1, 1], logs
+    said = (
+        f"[rank 0] error: run.out_dir={shared} is not shared by every node: after 2 s rank 0 "
+        "sees no marker from node 1 ("
+    )
+    assert said in logs and "every node mounts at the same path" in logs, logs
+    assert "[rank 1] error: checking that run.out_dir is shared failed on rank 0" in logs, logs
+    assert list(local.iterdir()) == []
+    assert sorted(p.name for p in shared.iterdir()) == ["config.yaml", "eval", "samples"]

@@ -17,14 +17,17 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cwgrpo_megatron.common.processes import free_port
+from cwgrpo_megatron.config import load_config
 from tests.distributed.harness import run_tool
 from tests.engine_calls import expected_calls, replica_calls
 from tests.once import build_once
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCHER = REPO / "examples" / "train_cwgrpo_7b.sh"
+LAUNCHER = REPO / "examples" / "train_cwgrpo_tiny_cpu.sh"
+"""The launcher of configs/tiny_cpu.yaml: it takes `run_args`, and stacks any --config on it."""
 KILL_SCRIPT = Path(__file__).with_name("kill_script.py")
 TINY = REPO / "configs" / "tiny_cpu.yaml"
 FILES = ("config.yaml", "env.json", "metrics.jsonl", "samples", "tb", "checkpoints", "hf")
@@ -104,8 +107,13 @@ def launch(cmd: list[str], *, env: dict | None = None, timeout: float = 420):
         return code, out.read()
 
 
+def run_args(model: Path, out: Path, *extra: str) -> list[str]:
+    return [f"model.path={model}", f"run.out_dir={out}", *extra]
+
+
 def train_args(model: Path, out: Path, *extra: str) -> list[str]:
-    return ["--config", str(TINY), f"model.path={model}", f"run.out_dir={out}", *extra]
+    """`run_args` on configs/tiny_cpu.yaml, for `python -m cwgrpo_megatron.train`."""
+    return ["--config", str(TINY), *run_args(model, out, *extra)]
 
 
 MODULE = "cwgrpo_megatron.train"
@@ -261,13 +269,31 @@ def _check_two_process_run(out: Path, code: int, log: str, layout: dict, steps: 
 
 
 def test_torchrun_on_the_launcher_at_tp2_trains_like_one_process(tiny, vllm_run, tmp_path):
-    out = tmp_path / "run"
+    """With two overlays stacked on the launcher's recipe: the algorithm file (the recipe's
+    own algorithm settings, so the run is the reference's) and one that sets run.log_every."""
+    out, overlay = tmp_path / "run", tmp_path / "overlay.yaml"
+    overlay.write_text("run:\n  log_every: 3\n")
+    algo = REPO / "configs" / "cw_grpo_open_rs.yaml"
+    stacked = ["--config", str(algo), "--config", str(overlay)]
     extra = ("parallel.tp=2", "run.verify_sync=1", *DYNAMIC)
-    code, log = launch([*torchrun(2), str(LAUNCHER), *train_args(tiny, out, *extra)])
+    code, log = launch([*torchrun(2), str(LAUNCHER), *stacked, *run_args(tiny, out, *extra)])
     rows = _check_two_process_run(out, code, log, {"tp": 2, "pp": 1, "dp": 1}, steps=3)
     # the same seeds give the same completions, the same rounds and groups kept, and TP
     # changes only the order of fp32 sums
     same_run_as(out, rows, vllm_run)
+    # config.yaml: the recipe's values under the overlays', then the overrides; its sources
+    # head it in order, and it loads as a config
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    recipe = yaml.safe_load(TINY.read_text())
+    assert saved["rollout"]["max_tokens"] == recipe["rollout"]["max_tokens"] == 16
+    assert saved["train"]["group_size"] == recipe["train"]["group_size"] == 4
+    assert saved["algo"]["kl_beta"] == 0.04 and saved["run"]["log_every"] == 3
+    assert saved["parallel"]["tp"] == 2 and saved["run"]["out_dir"] == str(out)
+    sources = [line for line in (out / "config.yaml").read_text().splitlines() if "#   " in line]
+    assert sources[:3] == [f"#   {i}. {p}" for i, p in enumerate((TINY, algo, overlay), 1)]
+    assert sources[3].startswith("#   4. overrides: model.path=") and len(sources) == 4
+    stacked_cfg = load_config([TINY, algo, overlay], run_args(tiny, out, *extra))
+    assert load_config(out / "config.yaml") == stacked_cfg
 
 
 def same_run_as(out: Path, rows: list[dict], reference: Path) -> None:
@@ -316,6 +342,7 @@ def test_sigkill_then_resume_writes_the_uninterrupted_metrics(
     if nproc == 1:
         killed_run, resumed_run = [sys.executable, *kill], [sys.executable, "-m", MODULE, *resume]
     else:  # torchrun starts the kill script in place of the launcher; torchrun then exits 1
+        resume = run_args(tiny, out, *traced, "run.resume=auto")
         killed_run, resumed_run = [*torchrun(nproc), *kill], ["bash", str(LAUNCHER), *resume]
         env = {"NNODES": "1", "GPUS_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())}
     code, log = launch(killed_run)

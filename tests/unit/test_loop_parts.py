@@ -1,5 +1,5 @@
 """The training loop's pure parts: seeds, prompt sets, batches, metrics, run
-folder bookkeeping."""
+folder bookkeeping (the nodes' markers too)."""
 
 import gzip
 import json
@@ -14,7 +14,14 @@ from cwgrpo_megatron.data.prompt_set import build_prompt_sets
 from cwgrpo_megatron.data.prompts import PromptFormat
 from cwgrpo_megatron.reward.scoring import ScoredGroup
 from cwgrpo_megatron.rollout.base import Completion, RolloutGroup, rollout_seed
-from cwgrpo_megatron.run.run_dir import RunDir, checkpoint_to_resume, rewind_metrics, write_samples
+from cwgrpo_megatron.run.run_dir import (
+    RunDir,
+    checkpoint_to_resume,
+    mark_node,
+    rewind_metrics,
+    wait_for_nodes,
+    write_samples,
+)
 from cwgrpo_megatron.run.step_metrics import rollout_metrics, step_tokens, timing_metrics
 from cwgrpo_megatron.run.tracking import _json_value
 
@@ -178,3 +185,20 @@ def test_samples_are_gzipped_jsonl(tmp_path):
     assert path.name == "step_00000003.jsonl.gz"
     rows = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines()]
     assert rows == [{"a": 1}, {"b": "é"}]
+
+
+def test_node_markers_in_the_run_folder(tmp_path):
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"run\.out_dir=.*run does not exist on this node 0\.2 s"):
+        mark_node(run, "t0", 1, wait_s=0.2)  # this node does not see rank 0's folder
+    assert not run.root.exists()  # and does not create it
+    run.root.mkdir()
+    marker = mark_node(run, "t0", 0, wait_s=0)
+    assert marker.name == ".node-t0-0" and marker.read_text()
+    missing = r"after 0\.3 s rank 0 sees no marker from node 1 \(b\) \(each"
+    with pytest.raises(ValueError, match=missing):
+        wait_for_nodes(run, "t0", {0: "node 0 (a)", 1: "node 1 (b)"}, wait_s=0.3)
+    with pytest.raises(ValueError, match="sees no marker from node 0"):
+        wait_for_nodes(run, "t1", {0: "node 0"}, wait_s=0)  # another start's markers
+    mark_node(run, "t0", 1, wait_s=0)
+    wait_for_nodes(run, "t0", {0: "node 0 (a)", 1: "node 1 (b)"}, wait_s=0)

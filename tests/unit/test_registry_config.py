@@ -1,14 +1,17 @@
 """Registries and the typed config: unknown names list the choices, YAML overrides and their
 order, dump round trips, bad values that name the key, the batch algebra's error, keyword-only
-frozen dataclasses, every shipped config loads, and the reward settings."""
+frozen dataclasses, every shipped config loads, the algorithm files stack on every recipe, and
+the reward settings."""
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cwgrpo_megatron.common.registry import Registry
-from cwgrpo_megatron.config import AlgoConfig, Config, dump_config, load_config
+from cwgrpo_megatron.config import AlgoConfig, Config, config_sources, dump_config, load_config
 
 
 def test_registry_lists_names_on_unknown():
@@ -40,6 +43,44 @@ def test_dump_round_trip(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["config.yaml"]
 
 
+def test_the_dump_is_headed_by_its_sources_and_still_loads(tmp_path):
+    recipe, overlay = tmp_path / "recipe.yaml", tmp_path / "overlay.yaml"
+    recipe.write_text("train:\n  group_size: 3\n  seed: 1\n")
+    overlay.write_text("train:\n  seed: 2\n")
+    overrides = ["model.system_prompt=Two\nlines", "train.total_steps=4"]
+    cfg = load_config([recipe, overlay], overrides)
+    out = tmp_path / "config.yaml"
+    dump_config(cfg, out, sources=config_sources([recipe, overlay], overrides))
+    head = out.read_text().splitlines()[:4]
+    assert head[1:] == [
+        f"#   1. {recipe}",
+        f"#   2. {overlay}",
+        "#   3. overrides: 'model.system_prompt=Two\\nlines' train.total_steps=4",
+    ]
+    assert load_config(out) == cfg
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CONFIGS = EXAMPLES.parent / "configs"
+RECIPES = sorted(
+    m
+    for p in EXAMPLES.glob("train_cwgrpo_*.sh")
+    for m in re.findall(r"\"RECIPE\": \"(\w+)\"", p.read_text())
+)
+
+
+@pytest.mark.parametrize("overlay", ["cw_grpo_open_rs", "grpo_open_rs"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_an_algorithm_file_overlays_a_recipe_and_changes_its_algorithm_alone(recipe, overlay):
+    base = load_config(CONFIGS / f"{recipe}.yaml")
+    stacked = load_config([CONFIGS / f"{recipe}.yaml", CONFIGS / f"{overlay}.yaml"])
+    assert dataclasses.replace(stacked, algo=base.algo) == base  # every other section kept
+    keys = yaml.safe_load((CONFIGS / f"{overlay}.yaml").read_text())["algo"]
+    recipe_algo = yaml.safe_load((CONFIGS / f"{recipe}.yaml").read_text()).get("algo", {})
+    expected = load_config(overrides=[f"algo.{k}={v}" for k, v in {**recipe_algo, **keys}.items()])
+    assert stacked.algo == expected.algo
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -50,7 +91,9 @@ def test_dump_round_trip(tmp_path):
         pytest.param(["data.train_files=[1]"], "data.train_files[0]=1", id="list-item"),
         pytest.param(
             ["rollout.max_tokens=4000"],
-            "data.max_prompt_tokens=512 + rollout.max_tokens=4000 exceed rollout.max_model_len",
+            "data.max_prompt_tokens=512 + rollout.max_tokens=4000 = 4512 tokens exceed "
+            "rollout.max_model_len=4096: lower rollout.max_tokens to 3584 or less, or "
+            "data.max_prompt_tokens, or raise rollout.max_model_len",
             id="prompt-plus-completion",
         ),
         pytest.param(
