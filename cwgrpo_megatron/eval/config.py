@@ -20,7 +20,9 @@ class EvalConfig:
     n: int = 1
     """Samples per problem (avg@n, pass@n)."""
     temperature: float = 0.6
+    """Sampling temperature (the paper's 0.6)."""
     top_p: float = 0.95
+    """Nucleus sampling (the paper's 0.95)."""
     max_tokens: int | None = None
     """Max new tokens; None means rollout.max_tokens. Prompts without room are skipped."""
     data_dir: str | None = None
@@ -29,6 +31,7 @@ class EvalConfig:
     split: str = "test"
     """The split of a Hugging Face dataset id in eval.benchmarks (needs the `hub` extra)."""
     seed: int = 0
+    """Problem p of a benchmark is sampled with seed + p n, whichever engine samples it."""
 
     def __post_init__(self) -> None:
         for name in self.benchmarks:

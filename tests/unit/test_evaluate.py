@@ -1,6 +1,8 @@
 """The pass@k estimator, and where benchmarks are read from: the five shipped with the package
 by name, a folder that eval.data_dir names, a problem file, a local Hugging Face dataset folder
-(what a hub id reads, offline), and tools/fetch_data.py's copy of one. Scoring is tested in
+(what a hub id reads, offline), and tools/fetch_data.py's copy of one; a standalone
+evaluation's lengths and engine settings, from its flags, a run's config and the model's
+positions. Scoring is tested in
 tests/distributed/test_evaluate_scoring.py, tools/evaluate.py in tests/e2e/test_evaluate_cli.py
 and the shipped files' gold answers in tests/distributed/test_benchmark_answers.py."""
 
@@ -14,6 +16,7 @@ from cwgrpo_megatron.eval.config import EvalConfig
 from cwgrpo_megatron.eval.metrics import pass_at_k
 from cwgrpo_megatron.eval.names import BENCHMARKS
 from cwgrpo_megatron.eval.runner import SHIPPED, benchmark_source, load_benchmarks
+from cwgrpo_megatron.eval.standalone import Lengths, engine_config, resolve_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [
@@ -98,3 +101,73 @@ def test_a_hub_id_without_the_hub_extra_names_the_extra(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import datasets fails
     with pytest.raises(ValueError, match=r'needs `datasets`: pip install -e "\.\[hub\]"'):
         load_benchmarks(["knoveleng/open-rs"])
+
+
+def _lengths(positions, run=None, **flags):
+    given = {"max_prompt_tokens": None, "max_tokens": None, "max_model_len": None, **flags}
+    return resolve_lengths(positions, run=run, **given)
+
+
+def test_standalone_lengths_default_clamp_and_refuse_with_the_flag_to_change():
+    # Qwen2.5-Math-7B: 4096 positions leave 3072 new tokens after the 1024-token prompt budget
+    got = _lengths(4096)
+    assert (got.max_prompt_tokens, got.max_tokens, got.max_model_len) == (1024, 3072, 4096)
+    assert got.clamped.startswith("--max-tokens 3072: what the model's 4096 tokens leave")
+    assert _lengths(32768) == Lengths(1024, 4096, 5120)  # room for the default: no clamp
+    assert _lengths(None, max_tokens=8) == Lengths(1024, 8, 1032)  # positions unknown
+    # --max-model-len known: the prompt budget is what it leaves (as a run's evaluation has)
+    assert _lengths(4096, max_model_len=2048, max_tokens=512) == Lengths(1536, 512, 2048)
+    assert _lengths(4096, max_model_len=2048).max_tokens == 1024
+    with pytest.raises(ValueError) as err:
+        _lengths(4096, max_tokens=4096)
+    assert str(err.value) == (
+        "--max-prompt-tokens=1024 + --max-tokens=4096 = 5120 tokens exceed the model's "
+        "max_position_embeddings=4096: lower --max-tokens to 3072 or less, or --max-prompt-tokens"
+    )
+    with pytest.raises(ValueError, match="lower --max-prompt-tokens below 256"):
+        _lengths(256)  # the default budget alone is beyond a tiny model
+    with pytest.raises(ValueError, match="--max-model-len 8192 exceeds the model's .*=4096"):
+        _lengths(4096, max_model_len=8192)
+    with pytest.raises(ValueError, match=r"exceed --max-model-len=600: .*, or raise it"):
+        _lengths(4096, max_model_len=600, max_prompt_tokens=512, max_tokens=100)
+    with pytest.raises(ValueError, match="--max-tokens 0: it must be at least 1"):
+        _lengths(4096, max_tokens=0)
+
+
+def test_standalone_settings_default_to_the_runs_and_flags_win():
+    from cwgrpo_megatron.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", ["rollout.tp=2"])
+    run = (cfg.rollout, cfg.eval)
+    # eval.max_tokens=16 in rollout.max_model_len=64: prompts of up to 48 tokens, as in training
+    assert _lengths(256, run) == Lengths(48, 16, 64)
+    assert _lengths(256, run, max_tokens=8) == Lengths(56, 8, 64)
+    lengths = _lengths(256, run)
+    flags = dict(backend=None, tp=None, gpu_memory_utilization=None, enforce_eager=None)
+    from_run = engine_config(cfg.rollout, lengths, **flags)
+    assert (from_run.tp, from_run.gpu_memory_utilization, from_run.max_model_len) == (2, 0.5, 64)
+    given = engine_config(cfg.rollout, lengths, **{**flags, "tp": 4, "enforce_eager": False})
+    assert (given.tp, given.enforce_eager, given.sleep_level) == (4, False, 0)
+    alone = engine_config(None, _lengths(4096), **flags)
+    assert (alone.tp, alone.gpu_memory_utilization, alone.backend) == (1, 0.9, "vllm")
+    # a run whose engines were on devices of their own, one step off: one colocated engine
+    separate = ["rollout.placement=separate", "rollout.async_steps=1", "rollout.tp=2"]
+    separate_cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", separate)
+    one = engine_config(separate_cfg.rollout, lengths, **flags)
+    assert (one.placement, one.async_steps, one.tp) == ("colocated", 0, 2)
+
+
+def test_a_run_folder_is_found_from_its_model_folders(tmp_path):
+    from cwgrpo_megatron.run.run_dir import run_folder_of
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000002"
+    (step / "model").mkdir(parents=True)
+    (run / "hf").mkdir()
+    assert run_folder_of(run) is None  # no config.yaml and env.json: not a run (yet)
+    (run / "config.yaml").write_text("")
+    (run / "env.json").write_text("{}")
+    for inside in (run, run / "hf", step, step / "model"):
+        assert run_folder_of(inside).root == run, inside
+    assert run_folder_of(run / "checkpoints") is None and run_folder_of(tmp_path) is None
+    assert run_folder_of("/") is None
