@@ -1,7 +1,8 @@
 """The documentation names only what exists: every path, link, config key and command-line flag
 in README.md and docs/ (and the shipped benchmarks' SOURCES.md) is checked against the
-repository, `config.py`'s dataclasses and each tool's argument parser. Nothing in the
-repository names a path outside it."""
+repository, `config.py`'s dataclasses and each tool's argument parser; docs/config.md's tables
+are the dataclasses' keys, types, defaults and docstrings. Nothing in the repository names a
+path outside it."""
 
 from __future__ import annotations
 
@@ -175,3 +176,14 @@ def test_nothing_names_a_path_outside_the_repository():
             if outside.search(path.read_text()):
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, f"these name a folder outside the repository: {offenders}"
+
+
+CONFIG_REFERENCE = runpy.run_path(str(ROOT / "tools" / "config_reference.py"), run_name="ref")
+
+
+def test_the_config_reference_matches_the_code_and_every_key_has_a_line(capsys):
+    assert CONFIG_REFERENCE["missing_docs"]() == [], "these config keys have no docstring"
+    doc = ROOT / "docs" / "config.md"
+    assert CONFIG_REFERENCE["main"](["--check", str(doc)]) == 0, capsys.readouterr().out
+    keys = {f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(SECTIONS[s])}
+    assert set(re.findall(r"^\| `([a-z_]+\.[a-z_0-9]+)` \|", doc.read_text(), re.M)) == keys
