@@ -21,11 +21,11 @@ HELP_EPILOG = """\
 examples:
   python -m cwgrpo_megatron.train --config configs/tiny_cpu.yaml model.path=/tmp/tiny
   torchrun --nproc-per-node 8 -m cwgrpo_megatron.train --config configs/qwen2p5_math_7b.yaml \\
-      model.path=/models/Qwen2.5-Math-7B data.train_files=[/data/open-rs/train.jsonl]
+      --config configs/grpo_open_rs.yaml model.path=/models/Qwen2.5-Math-7B
 
-Every key is a documented field of a settings dataclass: cwgrpo_megatron/config.py (model,
-parallel, optim, train, run, logging) and the config.py of algo/, data/, reward/, rollout/
-and eval/."""
+Each --config overrides the files before it, and section.key=value overrides come last.
+docs/config.md lists every key with its type, default and meaning (tools/config_reference.py
+generates it from the settings dataclasses)."""
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -36,7 +36,11 @@ def parse(argv=None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--config", action="append", default=[], metavar="FILE", help="YAML overrides (repeatable)"
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a YAML file of settings; repeatable, each over the ones before it",
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.seed=3")
     return parser.parse_args(argv)
