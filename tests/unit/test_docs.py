@@ -1,8 +1,9 @@
 """The documentation names only what exists: every path, link, config key and command-line flag
 in README.md and docs/ (and the shipped benchmarks' SOURCES.md) is checked against the
 repository, `config.py`'s dataclasses and each tool's argument parser; docs/config.md's tables
-are the dataclasses' keys, types, defaults and docstrings. Nothing in the repository names a
-path outside it."""
+are the dataclasses' keys, types, defaults and docstrings; docs/metrics.md names only metrics
+the code logs, explains every one the shipped runs logged, and tabulates those runs. Nothing in
+the repository names a path outside it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import json
 import re
 import runpy
 import sys
@@ -187,3 +189,75 @@ def test_the_config_reference_matches_the_code_and_every_key_has_a_line(capsys):
     assert CONFIG_REFERENCE["main"](["--check", str(doc)]) == 0, capsys.readouterr().out
     keys = {f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(SECTIONS[s])}
     assert set(re.findall(r"^\| `([a-z_]+\.[a-z_0-9]+)` \|", doc.read_text(), re.M)) == keys
+
+
+METRICS_GUIDE = ROOT / "docs" / "metrics.md"
+METRIC_RANGES = runpy.run_path(str(ROOT / "tools" / "metric_ranges.py"), run_name="ranges")
+
+
+def test_the_metrics_guide_table_is_the_shipped_runs(capsys):
+    assert METRIC_RANGES["main"](["--check", str(METRICS_GUIDE)]) == 0, capsys.readouterr().out
+
+
+def _shipped_metric_names() -> set[str]:
+    return {
+        name
+        for path in METRIC_RANGES["SHIPPED"]
+        for step in METRIC_RANGES["read_steps"](path)
+        for name in step
+        if name != "step"
+    }
+
+
+def _loggable_metric_names() -> set[str]:
+    """Every name the code can log: the shipped runs', the losses', the phases' and the string
+    literals of the package that look like metric names."""
+    from cwgrpo_megatron.run.step_metrics import LOSS_METRIC_NAMES, PHASES
+
+    source = "\n".join(p.read_text() for p in (ROOT / "cwgrpo_megatron").rglob("*.py"))
+    return (
+        _shipped_metric_names()
+        | set(LOSS_METRIC_NAMES.values())
+        | {f"timing_s/{phase}" for phase in PHASES}
+        | set(re.findall(r"\"([a-z_]+/[a-z0-9_@/]+)\"", source))
+    )
+
+
+def _guide_patterns() -> dict[str, re.Pattern]:
+    """The metric names of the guide's prose (`family/name`; `<x>` any part, `@n` any n) of the
+    families the code logs, as patterns."""
+    prose = METRICS_GUIDE.read_text().split(METRIC_RANGES["TOOL"])[0]
+    families = {name.split("/")[0] for name in _loggable_metric_names()}
+    patterns = {}
+    for span in _code_spans(prose):
+        if re.fullmatch(r"[a-z_]+/[a-z0-9_@<>/]+", span) and span.split("/")[0] in families:
+            pattern = re.escape(span).replace("@n", r"@\d+")
+            patterns[span] = re.compile(re.sub(r"<[a-z_]+>", r"[^/]+", pattern))
+    return patterns
+
+
+def test_the_metrics_guide_names_only_what_is_logged_and_explains_every_shipped_metric():
+    loggable, patterns = _loggable_metric_names(), _guide_patterns()
+    unknown = sorted(n for n, p in patterns.items() if not any(p.fullmatch(x) for x in loggable))
+    assert not unknown, f"docs/metrics.md names metrics the code does not log: {unknown}"
+    unexplained = sorted(
+        name
+        for name in _shipped_metric_names()
+        if not any(p.fullmatch(name) for p in patterns.values())
+    )
+    assert not unexplained, f"docs/metrics.md does not explain: {unexplained}"
+
+
+def test_metric_ranges_tabulates_other_runs_and_names_a_bad_line(tmp_path, capsys):
+    run = tmp_path / "my_run"
+    run.mkdir()
+    lines = [{"step": 1, "reward/mean": 0.25}, {"step": 2, "reward/mean": 0.5, "eval/x/avg@1": 1}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert METRIC_RANGES["main"](["--runs", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "Steps: `my_run` 1-2." in out
+    assert "| `reward/mean` | 0.25 -> 0.5 [0.25, 0.5] |" in out
+    assert "| `eval/x/avg@1` | 1 |" in out
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2,\n')
+    assert METRIC_RANGES["main"](["--runs", str(run)]) == 1
+    assert f"{run / 'metrics.jsonl'}:2 is not a JSON line" in capsys.readouterr().err
