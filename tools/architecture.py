@@ -12,7 +12,6 @@ rest of the doc is prose. tests/unit/test_architecture.py runs `--check` and the
 
 from __future__ import annotations
 
-import argparse
 import ast
 import sys
 from pathlib import Path
@@ -131,19 +130,10 @@ def generated() -> str:
 
 
 def main(argv=None) -> int:
-    from cwgrpo_megatron.common.generated_docs import write_or_check
+    from cwgrpo_megatron.common import generated_docs
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", metavar="DOC", help="refresh DOC's generated block")
-    action.add_argument("--check", metavar="DOC", help="exit 1 when DOC's block is stale")
-    args = parser.parse_args(argv)
-    if args.write or args.check:
-        return write_or_check(
-            args.write or args.check, generated(), tool=TOOL, check=bool(args.check)
-        )
-    print(generated())
-    return 0
+    description = __doc__.split("\n\n")[0]
+    return generated_docs.main(argv, tool=TOOL, description=description, generate=generated)
 
 
 if __name__ == "__main__":

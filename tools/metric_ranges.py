@@ -82,11 +82,11 @@ def table(paths: list[Path]) -> str:
 
 
 def main(argv=None) -> int:
+    from cwgrpo_megatron.common import generated_docs
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="+", type=Path, help="run folders or metrics.jsonl files")
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", metavar="DOC", help="refresh DOC's generated table")
-    action.add_argument("--check", metavar="DOC", help="exit 1 when DOC's table is stale")
+    generated_docs.add_doc_flags(parser)
     args = parser.parse_args(argv)
     if args.runs and (args.write or args.check):
         parser.error("--write and --check use the shipped runs: leave out --runs")
@@ -96,13 +96,7 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    if not (args.write or args.check):
-        print(block)
-        return 0
-    sys.path.insert(0, str(ROOT))
-    from cwgrpo_megatron.common.generated_docs import write_or_check
-
-    return write_or_check(args.write or args.check, block, tool=TOOL, check=bool(args.check))
+    return generated_docs.print_write_or_check(args, block, tool=TOOL)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Docs that hold a block generated from the code between two marker lines, the rest prose
-(`tools/architecture.py`, `tools/config_reference.py`): refreshed with --write, and checked
-by --check, which fails when the block is stale."""
+(`tools/architecture.py`, `tools/config_reference.py`, `tools/metric_ranges.py`): refreshed
+with --write, and checked by --check, which fails when the block is stale."""
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from cwgrpo_megatron.common.files import write_atomic
@@ -40,3 +42,25 @@ def write_or_check(path: str | os.PathLike, block: str, *, tool: str, check: boo
         return 1
     print(f"{path} matches the code")
     return 0
+
+
+def add_doc_flags(parser: argparse.ArgumentParser) -> None:
+    """A generating tool's --write DOC and --check DOC (one or neither: print the block)."""
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--write", metavar="DOC", help="refresh DOC's generated block")
+    action.add_argument("--check", metavar="DOC", help="exit 1 when DOC's block is stale")
+
+
+def print_write_or_check(args: argparse.Namespace, block: str, *, tool: str) -> int:
+    """What `add_doc_flags`' flags ask for `block`: the exit code."""
+    if args.write or args.check:
+        return write_or_check(args.write or args.check, block, tool=tool, check=bool(args.check))
+    print(block)
+    return 0
+
+
+def main(argv, *, tool: str, description: str, generate: Callable[[], str]) -> int:
+    """The whole command line of a tool whose block needs no input but the code."""
+    parser = argparse.ArgumentParser(description=description)
+    add_doc_flags(parser)
+    return print_write_or_check(parser.parse_args(argv), generate(), tool=tool)
