@@ -24,8 +24,8 @@ import time
 import torch
 
 from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
+from cwgrpo_megatron.comm import global_scope, vocab_parallel_logprob_entropy
 from cwgrpo_megatron.config import AlgoConfig
-from cwgrpo_megatron.dist import global_scope, vocab_parallel_logprob_entropy
 
 
 def make_inputs(b, s, v, seed=0):

@@ -1,6 +1,6 @@
 """Time and peak memory of log-prob + entropy from one vocabulary shard, three ways.
 
-    ours   cwgrpo_megatron.dist.vocab_parallel_logprob_entropy (chunked, fused backward)
+    ours   cwgrpo_megatron.comm.vocab_parallel_logprob_entropy (chunked, fused backward)
     plain  log_softmax over the whole shard, gather, -(p * logp).sum
     trl    TRL's recipe, rewritten here: selective_log_softmax (per-row logsumexp, or per-row
            log_softmax for bf16) plus entropy_from_logits (log_softmax in chunks of 128 rows)
@@ -161,6 +161,6 @@ if __name__ == "__main__":
     import torch
     from memory import peak_since_reset, reset_peak
 
-    from cwgrpo_megatron.dist import vocab_parallel_logprob_entropy
+    from cwgrpo_megatron.comm import vocab_parallel_logprob_entropy
 
     main()

@@ -61,8 +61,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from cwgrpo_megatron.build import build_trainer
+    from cwgrpo_megatron.comm import all_gather_or_fail, fail_together, world_group
     from cwgrpo_megatron.config import load_config
-    from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, world_group
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
 
     torch.set_num_threads(1)

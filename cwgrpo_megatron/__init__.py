@@ -3,7 +3,7 @@
 Layout (see DESIGN):
     config      typed, keyword-only config dataclasses; YAML holds overrides only
     algo/       pure tensor math: advantages, covariance weights, policy losses, KL
-    dist/       the only door to collectives (explicit process groups, None = this process)
+    comm/       the only door to collectives (explicit process groups, None = this process)
 """
 
 __version__ = "0.1.0"

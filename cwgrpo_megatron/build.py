@@ -21,13 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from cwgrpo_megatron.common.settings import check_length
-from cwgrpo_megatron.components.inputs import Inputs
-from cwgrpo_megatron.components.rollouts import Rollouts
-from cwgrpo_megatron.components.sync import WeightSync
-from cwgrpo_megatron.config import Config
-from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.dist import (
+from cwgrpo_megatron.comm import (
     all_gather_objects,
     all_gather_or_fail,
     close_control_group,
@@ -36,6 +30,12 @@ from cwgrpo_megatron.dist import (
     open_control_group,
     world_group,
 )
+from cwgrpo_megatron.common.settings import check_length
+from cwgrpo_megatron.components.inputs import Inputs
+from cwgrpo_megatron.components.rollouts import Rollouts
+from cwgrpo_megatron.components.sync import WeightSync
+from cwgrpo_megatron.config import Config
+from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron import parallel, train_checkpoint
 from cwgrpo_megatron.megatron.conversion import load_start_weights
 from cwgrpo_megatron.megatron.model import use_transformer_engine

@@ -316,7 +316,7 @@ class RunConfig:
     stops the run. A network file system can show another node's new file late (NFS: up to
     its attribute cache's 30-60 s)."""
     collective_timeout_min: float = 240.0
-    """How long a rank waits for the others at a phase's agreement (`dist.fail_together` and
+    """How long a rank waits for the others at a phase's agreement (`comm.fail_together` and
     the job's other object collectives, which go over a gloo group beside NCCL): long enough
     for rank 0 to evaluate a 72B model while the others wait; past it every rank stops with an
     error naming this key."""

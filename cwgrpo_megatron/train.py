@@ -63,7 +63,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Failures reported by their message alone: bad input, a peer's failure, a failed sync
     check, a rollout engine whose processes died, a reward function that raised."""
     from cwgrpo_megatron.checks.sync_check import SyncMismatchError
-    from cwgrpo_megatron.dist import PeerFailure
+    from cwgrpo_megatron.comm import PeerFailure
     from cwgrpo_megatron.reward import RewardError
     from cwgrpo_megatron.rollout.base import EngineDeadError
 

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from cwgrpo_megatron.algo.advantages import get_advantage_estimator
+from cwgrpo_megatron.comm import fail_together, world_group
 from cwgrpo_megatron.common.files import write_atomic
 from cwgrpo_megatron.common.timing import PhaseTimer
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.data.batching import TrainBatch, batch_from_rollouts
 from cwgrpo_megatron.data.prompts import PromptSampler
-from cwgrpo_megatron.dist import fail_together, world_group
 from cwgrpo_megatron.eval.runner import write_json
 from cwgrpo_megatron.megatron import train_checkpoint
 from cwgrpo_megatron.megatron.conversion import export_hf

@@ -160,7 +160,7 @@ def _share(code: int) -> int:
     """Rank 0's exit code on every rank, so that torchrun reports it."""
     import torch.distributed as dist
 
-    from cwgrpo_megatron.dist import broadcast_from
+    from cwgrpo_megatron.comm import broadcast_from
     from cwgrpo_megatron.megatron.train_step import device
 
     code_t = torch.tensor([float(code)], device=device())  # NCCL broadcasts device tensors only

@@ -219,7 +219,7 @@ def check_train_step(ctx) -> Result:
 def check_logprob(ctx) -> Result:
     import torch
 
-    from cwgrpo_megatron.dist.vocab_parallel import vocab_parallel_logprob_entropy
+    from cwgrpo_megatron.comm.vocab_parallel import vocab_parallel_logprob_entropy
 
     n, vocab = 8192, 152064
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1,6 +1,6 @@
 """Pure tensor math of CW-GRPO: no torch.distributed, no megatron, no host syncs.
 
-Global statistics come in through a `Scope` (whose `reduce_sum` the dist package supplies) or
+Global statistics come in through a `Scope` (whose `reduce_sum` the comm package supplies) or
 as arguments; every function here runs unchanged in one process.
 """
 

@@ -1,7 +1,7 @@
 """Training metrics as reducible parts (pure tensor code; no host syncs).
 
 A metric is kept as a partial result that can be combined across micro-batches (`merge`) and
-across ranks (`cwgrpo_megatron.dist.reduce_metrics`, one SUM and one MAX all-reduce for the
+across ranks (`cwgrpo_megatron.comm.reduce_metrics`, one SUM and one MAX all-reduce for the
 whole dict) before `finalize` turns it into values:
 
     kind "mean"  value = sum of x over tokens, count = number of tokens   -> value / count

@@ -8,7 +8,7 @@ All three named scopes of DESIGN section 1 are instances:
     group        K = prompts, pool = prompt index; a group never spans ranks, so no reduction
     micro_batch  K = micro-batches, pool = micro-batch index; local (layout-dependent)
 
-The constructors that attach collectives live in `cwgrpo_megatron.dist.scopes`.
+The constructors that attach collectives live in `cwgrpo_megatron.comm.scopes`.
 """
 
 from collections.abc import Callable

@@ -63,8 +63,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from cwgrpo_megatron.comm.vocab_parallel import GPU_CHUNK_ELEMENTS
 from cwgrpo_megatron.convert.arch import ModelArch, divisors, padded_vocab_size
-from cwgrpo_megatron.dist.vocab_parallel import GPU_CHUNK_ELEMENTS
 from cwgrpo_megatron.rollout import engine_sleep_level
 from cwgrpo_megatron.rollout.replicas import Replicas
 
@@ -92,7 +92,7 @@ LOSS_BYTES_PER_TOKEN = 36
 """What the policy loss keeps for backward per token (its [b, s] ratios, masks and KL terms):
 measured for cw_grpo with the KL term; the other losses keep about as much."""
 LOGPROB_CHUNK_ELEMENTS = GPU_CHUNK_ELEMENTS
-"""dist.vocab_parallel's chunk on a GPU: two fp32 [chunk, V/tp] temporaries of this many
+"""comm.vocab_parallel's chunk on a GPU: two fp32 [chunk, V/tp] temporaries of this many
 elements."""
 
 

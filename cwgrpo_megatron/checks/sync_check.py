@@ -20,15 +20,15 @@ import torch
 import torch.distributed as dist
 
 from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
-from cwgrpo_megatron.data.batching import synthetic_batch
-from cwgrpo_megatron.dist import (
+from cwgrpo_megatron.comm import (
     all_gather,
     broadcast_from,
     broadcast_object,
     global_rank,
     world_group,
 )
-from cwgrpo_megatron.dist.collectives import barrier
+from cwgrpo_megatron.comm.collectives import barrier
+from cwgrpo_megatron.data.batching import synthetic_batch
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.model import unwrap
 from cwgrpo_megatron.megatron.publish import (

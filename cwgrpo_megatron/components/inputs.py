@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from cwgrpo_megatron.comm import all_gather_objects, fail_together
 from cwgrpo_megatron.config import Config, ModelConfig
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.data.prompt_set import PromptSet, build_prompt_sets
 from cwgrpo_megatron.data.prompts import SYSTEM_PROMPT, Problem, PromptFormat
-from cwgrpo_megatron.dist import all_gather_objects, fail_together
 from cwgrpo_megatron.eval.runner import load_benchmarks
 from cwgrpo_megatron.megatron.conversion import start_arch
 

@@ -33,11 +33,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from cwgrpo_megatron.comm import all_gather_or_fail, fail_together, node_of_each_rank, world_group
 from cwgrpo_megatron.components.inputs import Inputs
 from cwgrpo_megatron.config import Config, TrainConfig
 from cwgrpo_megatron.data.dynamic_sampling import StepRounds
 from cwgrpo_megatron.data.prompts import Problem, PromptSampler
-from cwgrpo_megatron.dist import all_gather_or_fail, fail_together, node_of_each_rank, world_group
 from cwgrpo_megatron.eval.runner import eval_requests, eval_result, sample_requests
 from cwgrpo_megatron.megatron.conversion import export_hf, is_megatron_checkpoint
 from cwgrpo_megatron.megatron.publish import check_engine

@@ -29,9 +29,9 @@ from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cwgrpo_megatron.comm.collectives import barrier, job_rank, world_group
 from cwgrpo_megatron.common.processes import die_with_parent
 from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.dist.collectives import barrier, job_rank, world_group
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.model import unwrap
 from cwgrpo_megatron.megatron.parallel import layout

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from cwgrpo_megatron.comm import job_rank, vocab_parallel_logprob_entropy
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import hf_names, stage_params, to_hf
 from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint, write_sharded
-from cwgrpo_megatron.dist import job_rank, vocab_parallel_logprob_entropy
 from cwgrpo_megatron.megatron import parallel, train_checkpoint
 from cwgrpo_megatron.megatron.checkpoint import (
     META_NAME,

@@ -24,9 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.convert.mapping import hf_shapes
-from cwgrpo_megatron.dist import (
+from cwgrpo_megatron.comm import (
     all_gather_objects,
     all_gather_or_fail,
     broadcast_from,
@@ -36,7 +34,9 @@ from cwgrpo_megatron.dist import (
     vocab_parallel_logprob_entropy,
     world_group,
 )
-from cwgrpo_megatron.dist.collectives import barrier
+from cwgrpo_megatron.comm.collectives import barrier
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.convert.mapping import hf_shapes
 from cwgrpo_megatron.megatron.forward import forward_logits
 from cwgrpo_megatron.megatron.model import DTYPES, unwrap, use_transformer_engine
 from cwgrpo_megatron.rollout.replicas import Replicas

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from cwgrpo_megatron.dist.collectives import barrier, job_rank, world_group
+from cwgrpo_megatron.comm.collectives import barrier, job_rank, world_group
 from cwgrpo_megatron.megatron.checkpoint import (
     TRAIN_STATE_NAME,
     AtomicDir,

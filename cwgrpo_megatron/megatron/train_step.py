@@ -45,11 +45,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
 from cwgrpo_megatron.algo.config import AlgoConfig
 from cwgrpo_megatron.algo.metrics import Metrics, finalize, histograms, merge
-from cwgrpo_megatron.common.timing import PhaseTimer
-from cwgrpo_megatron.config import OptimConfig, TrainConfig
-from cwgrpo_megatron.convert.arch import ModelArch
-from cwgrpo_megatron.data.batching import MicroBatch, TrainBatch
-from cwgrpo_megatron.dist import (
+from cwgrpo_megatron.comm import (
     broadcast_object,
     make_scope,
     max_over,
@@ -57,6 +53,10 @@ from cwgrpo_megatron.dist import (
     sum_over,
     vocab_parallel_logprob_entropy,
 )
+from cwgrpo_megatron.common.timing import PhaseTimer
+from cwgrpo_megatron.config import OptimConfig, TrainConfig
+from cwgrpo_megatron.convert.arch import ModelArch
+from cwgrpo_megatron.data.batching import MicroBatch, TrainBatch
 from cwgrpo_megatron.megatron.cpu import on_cpu
 from cwgrpo_megatron.megatron.forward import forward_only
 from cwgrpo_megatron.megatron.model import DTYPES, build_model, sequence_multiple

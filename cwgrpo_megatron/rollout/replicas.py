@@ -20,7 +20,7 @@ With separate placement on GPUs (`rollout.placement=separate`, `engine_gpus` > 0
 hold GPUs of their own: a node's trainer ranks use its first GPUs (LOCAL_RANK), and its
 engine_gpus / engine_tp engines the next ones, one engine per replica group of its ranks.
 
-Pure bookkeeping: the node of every rank comes from `dist.node_of_each_rank`.
+Pure bookkeeping: the node of every rank comes from `comm.node_of_each_rank`.
 """
 
 from __future__ import annotations

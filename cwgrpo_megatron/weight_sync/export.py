@@ -26,9 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
-from cwgrpo_megatron.convert.mapping import StageParam, megatron_shape, stage_params, to_hf
-from cwgrpo_megatron.dist.collectives import (
+from cwgrpo_megatron.comm.collectives import (
     Group,
     all_gather,
     broadcast_into,
@@ -36,6 +34,8 @@ from cwgrpo_megatron.dist.collectives import (
     rank_in,
     size_of,
 )
+from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
+from cwgrpo_megatron.convert.mapping import StageParam, megatron_shape, stage_params, to_hf
 
 
 @dataclass(frozen=True, kw_only=True)

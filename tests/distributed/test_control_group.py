@@ -8,7 +8,7 @@ from tests.distributed.harness import run_distributed
 
 
 def _one_rank_late(rank, world, minutes, late_s):
-    from cwgrpo_megatron.dist import (
+    from cwgrpo_megatron.comm import (
         CollectiveTimeout,
         close_control_group,
         fail_together,

@@ -7,15 +7,15 @@ import torch
 import torch.distributed as dist
 
 from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
-from cwgrpo_megatron.config import AlgoConfig
-from cwgrpo_megatron.dist import (
+from cwgrpo_megatron.comm import (
     LayoutDependentWarning,
-    covariance_weights,
     global_scope,
     micro_batch_scope,
     sum_over,
 )
+from cwgrpo_megatron.config import AlgoConfig
 from tests.distributed.harness import run_distributed
+from tests.pooled import covariance_weights
 from tests.reference import ref_top_k_in_order
 
 ROWS, COLS = 12, 10

@@ -11,8 +11,8 @@ from tests.distributed.qwen_fixtures import make_hf_model, tokens
 def _worker(rank, world, name, tp, pp):
     from megatron.core import parallel_state
 
+    from cwgrpo_megatron.comm import vocab_parallel_logprob_entropy
     from cwgrpo_megatron.convert.arch import ModelArch
-    from cwgrpo_megatron.dist import vocab_parallel_logprob_entropy
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.forward import forward_logits
     from cwgrpo_megatron.megatron.model import build_model, load_hf_weights

@@ -24,10 +24,10 @@ def _fill(rank, world_size, hf_dir, tp, pp, per_node, shm_dir):
     import torch.distributed as dist
 
     from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
+    from cwgrpo_megatron.comm import all_gather_objects, node_of_each_rank
+    from cwgrpo_megatron.comm.collectives import barrier
     from cwgrpo_megatron.convert.mapping import hf_shapes
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
-    from cwgrpo_megatron.dist import all_gather_objects, node_of_each_rank
-    from cwgrpo_megatron.dist.collectives import barrier
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.publish import fill_buffers, sync_plan
     from cwgrpo_megatron.rollout.replicas import Replicas

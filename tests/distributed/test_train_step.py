@@ -18,7 +18,7 @@ LAYOUTS = {
 
 def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind, mini_batches=1):
     from cwgrpo_megatron.checks import layout_check
-    from cwgrpo_megatron.dist.scopes import LayoutDependentWarning
+    from cwgrpo_megatron.comm.scopes import LayoutDependentWarning
 
     batch_fn = None
     if batch_kind == "equal-rewards":
@@ -158,7 +158,7 @@ def test_rank_holding_only_padding():
 
 def _count_scope_reductions(rank, world):
     from cwgrpo_megatron.checks import layout_check
-    from cwgrpo_megatron.dist import scopes
+    from cwgrpo_megatron.comm import scopes
 
     sizes = []
     original = scopes.sum_over

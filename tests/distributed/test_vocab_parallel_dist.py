@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cwgrpo_megatron.dist import vocab_parallel_logprob_entropy
+from cwgrpo_megatron.comm import vocab_parallel_logprob_entropy
 from tests.distributed.harness import run_distributed
 
 # (name, vocab_size, padded vocab, dtype): the padded vocab splits evenly over tp; the real

@@ -104,9 +104,9 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
     from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
+    from cwgrpo_megatron.comm.collectives import barrier, broadcast_object
     from cwgrpo_megatron.convert.mapping import hf_shapes
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
-    from cwgrpo_megatron.dist.collectives import barrier, broadcast_object
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.publish import (
         _transfer_source,
@@ -269,7 +269,7 @@ def test_check_weight_sync_cli(hf_dir):
 
 def _refused_engine(rank, world_size, hf_dir, engine_dir, shm_dir):
     from cwgrpo_megatron.checks.layout_check import layout_config, tiny_actor
-    from cwgrpo_megatron.dist import PeerFailure
+    from cwgrpo_megatron.comm import PeerFailure
     from cwgrpo_megatron.megatron import parallel
     from cwgrpo_megatron.megatron.publish import sync_weights
     from cwgrpo_megatron.rollout import get_engine
@@ -309,7 +309,7 @@ def test_an_engine_without_room_for_its_buffer_is_refused_on_every_rank(hf_dir, 
 
 def _check_with_a_blind_peer(rank, world_size, hf_dir):
     from cwgrpo_megatron.checks.sync_check import run_check
-    from cwgrpo_megatron.dist import PeerFailure
+    from cwgrpo_megatron.comm import PeerFailure
     from cwgrpo_megatron.weight_sync.shm import SharedWeights
 
     visible = SharedWeights.visible

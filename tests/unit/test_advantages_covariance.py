@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from cwgrpo_megatron.algo import covariance_weights, group_advantages
 from cwgrpo_megatron.algo.advantages import broadcast_to_tokens, get_advantage_estimator
 from cwgrpo_megatron.algo.scope import pools_from_index, single_pool
-from cwgrpo_megatron.dist import covariance_weights as dist_covariance_weights
-from cwgrpo_megatron.dist import group_scope, micro_batch_scope
-from cwgrpo_megatron.dist.scopes import LayoutDependentWarning
+from cwgrpo_megatron.comm import group_scope, micro_batch_scope
+from cwgrpo_megatron.comm.scopes import LayoutDependentWarning
+from tests.pooled import covariance_weights as dist_covariance_weights
 from tests.reference import (
     centred_exactly,
     ref_group_advantages,

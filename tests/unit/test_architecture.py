@@ -62,7 +62,7 @@ def test_only_the_megatron_package_imports_megatron_core():
     [
         "torch.distributed",
         "megatron",
-        "cwgrpo_megatron.dist",
+        "cwgrpo_megatron.comm",
         "cwgrpo_megatron.megatron",
         "cwgrpo_megatron.rollout",
         "cwgrpo_megatron.config",

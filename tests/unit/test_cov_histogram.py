@@ -15,7 +15,7 @@ from cwgrpo_megatron.algo.metrics import (
     merge,
     top_share,
 )
-from cwgrpo_megatron.dist.metrics import reduce_metrics
+from cwgrpo_megatron.comm.metrics import reduce_metrics
 
 
 def exact_top_share(c: torch.Tensor, fraction: float) -> float:

@@ -35,9 +35,9 @@ import torch
 from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
 from cwgrpo_megatron.algo.advantages import get_advantage_estimator
 from cwgrpo_megatron.algo.metrics import finalize, histograms, merge
+from cwgrpo_megatron.comm import reduce_metrics
+from cwgrpo_megatron.comm.scopes import LayoutDependentWarning, make_scope
 from cwgrpo_megatron.config import AlgoConfig
-from cwgrpo_megatron.dist import reduce_metrics
-from cwgrpo_megatron.dist.scopes import LayoutDependentWarning, make_scope
 from tests.unit.test_losses import make_batch
 
 PACKAGE = Path(__file__).resolve().parents[2] / "cwgrpo_megatron"
@@ -305,7 +305,7 @@ def test_the_log_prob_chunk_is_chosen_by_device():
     """A GPU takes 16x larger chunks (each costs about ten kernel launches); the planner
     counts the GPU's."""
     from cwgrpo_megatron.analysis.planner import LOGPROB_CHUNK_ELEMENTS
-    from cwgrpo_megatron.dist.vocab_parallel import chunk_elements
+    from cwgrpo_megatron.comm.vocab_parallel import chunk_elements
 
     cpu, gpu = chunk_elements(torch.device("cpu")), chunk_elements(torch.device("cuda", 0))
     assert gpu == 16 * cpu == LOGPROB_CHUNK_ELEMENTS

@@ -15,8 +15,8 @@ from cwgrpo_megatron.algo.kl import get_kl_estimator
 from cwgrpo_megatron.algo.losses import POLICY_LOSSES, kth_largest
 from cwgrpo_megatron.algo.metrics import finalize, merge
 from cwgrpo_megatron.algo.scope import pools_from_index, single_pool
+from cwgrpo_megatron.comm import reduce_metrics
 from cwgrpo_megatron.config import AlgoConfig
-from cwgrpo_megatron.dist import reduce_metrics
 from tests.reference import ref_surrogate_loss, ref_weights
 
 AGGS = [

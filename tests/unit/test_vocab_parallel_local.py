@@ -5,7 +5,7 @@ The TP 2 and 4 versions are in tests/distributed/test_vocab_parallel_dist.py."""
 import pytest
 import torch
 
-from cwgrpo_megatron.dist import vocab_parallel_logprob_entropy
+from cwgrpo_megatron.comm import vocab_parallel_logprob_entropy
 
 
 def reference(logits, target, temperature=1.0, vocab_size=None):

@@ -1,10 +1,11 @@
-"""Layout-independent CW-GRPO weights: covariance statistics pooled over a process group."""
+"""CW-GRPO weights with the covariance statistics pooled over a process group, for the tests:
+the train step pools them through its `Scope` (`comm.make_scope`); this is that path alone."""
 
 from torch import Tensor
 
 from cwgrpo_megatron.algo import covariance as algo_cov
-from cwgrpo_megatron.dist.collectives import Group
-from cwgrpo_megatron.dist.scopes import global_scope
+from cwgrpo_megatron.comm import global_scope
+from cwgrpo_megatron.comm.collectives import Group
 
 
 def covariance_weights(logp: Tensor, adv: Tensor, mask: Tensor, *, group: Group = None) -> Tensor:

@@ -17,14 +17,15 @@ target logit), whatever the chunk count. Backward is local: it recomputes the so
 chunk from the saved log-normaliser instead of keeping it.
 
 Memory: the shard is never copied in full (pass it in its stored layout, e.g. Megatron's
-`[s, b, V/tp]` with `target [s, b]`: a non-contiguous view would be copied by the reshape); each chunk of `chunk_size` tokens makes a few fp32
-`[chunk, V/tp]` temporaries. Backward allocates the gradient (1x the shard, in its dtype).
+`[s, b, V/tp]` with `target [s, b]`: a non-contiguous view would be copied by the reshape);
+each chunk of `chunk_size` tokens makes a few fp32 `[chunk, V/tp]` temporaries. Backward
+allocates the gradient (1x the shard, in its dtype).
 """
 
 import torch
 from torch import Tensor
 
-from cwgrpo_megatron.dist.collectives import Group, max_over, rank_in, sum_over
+from cwgrpo_megatron.comm.collectives import Group, max_over, rank_in, sum_over
 
 CPU_CHUNK_ELEMENTS = 1 << 22
 """16 MiB of fp32 per temporary on CPU: past the caches already, and small next to the logits."""

@@ -1,11 +1,11 @@
 """Scope constructors for DESIGN section 1's `global`, `group` and `micro_batch` scopes.
 
-    global_scope       one pool; sums all-reduced over `group` (the data-parallel group, or
-                       DP x CP), in float64. Layout-independent.
-    group_scope        one pool per prompt; a prompt group never spans ranks, so no reduction.
-                       Layout-independent.
-    micro_batch_scope  one pool per micro-batch on this rank; no reduction. The result depends
-                       on how the batch is split, which this constructor warns about.
+global_scope       one pool; sums all-reduced over `group` (the data-parallel group, or
+                   DP x CP), in float64. Layout-independent.
+group_scope        one pool per prompt; a prompt group never spans ranks, so no reduction.
+                   Layout-independent.
+micro_batch_scope  one pool per micro-batch on this rank; no reduction. The result depends
+                   on how the batch is split, which this constructor warns about.
 """
 
 import functools
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from cwgrpo_megatron.algo.names import SCOPE_NAMES
 from cwgrpo_megatron.algo.scope import Scope, pools_from_index
-from cwgrpo_megatron.dist.collectives import Group, sum_over
+from cwgrpo_megatron.comm.collectives import Group, sum_over
 
 
 class LayoutDependentWarning(UserWarning):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
-from cwgrpo_megatron.dist.collectives import Group, all_gather_objects, global_rank
+from cwgrpo_megatron.comm.collectives import Group, all_gather_objects, global_rank
 
 
 class PeerFailure(RuntimeError):

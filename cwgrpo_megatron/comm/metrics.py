@@ -4,7 +4,7 @@ for extremes)."""
 import torch
 
 from cwgrpo_megatron.algo.metrics import Metric, Metrics
-from cwgrpo_megatron.dist.collectives import Group, max_over, sum_over
+from cwgrpo_megatron.comm.collectives import Group, max_over, sum_over
 
 
 def reduce_metrics(metrics: Metrics, *, group: Group = None) -> Metrics:

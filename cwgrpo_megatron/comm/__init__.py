@@ -1,6 +1,6 @@
 """The only door to collectives: explicit process groups, `group=None` = this process alone."""
 
-from cwgrpo_megatron.dist.collectives import (
+from cwgrpo_megatron.comm.collectives import (
     CollectiveTimeout,
     all_gather,
     all_gather_objects,
@@ -19,22 +19,21 @@ from cwgrpo_megatron.dist.collectives import (
     sum_over,
     world_group,
 )
-from cwgrpo_megatron.dist.covariance import covariance_weights
-from cwgrpo_megatron.dist.failures import (
+from cwgrpo_megatron.comm.failures import (
     PeerFailure,
     agree_on_failure,
     all_gather_or_fail,
     fail_together,
 )
-from cwgrpo_megatron.dist.metrics import reduce_metrics
-from cwgrpo_megatron.dist.scopes import (
+from cwgrpo_megatron.comm.metrics import reduce_metrics
+from cwgrpo_megatron.comm.scopes import (
     LayoutDependentWarning,
     global_scope,
     group_scope,
     make_scope,
     micro_batch_scope,
 )
-from cwgrpo_megatron.dist.vocab_parallel import vocab_parallel_logprob_entropy
+from cwgrpo_megatron.comm.vocab_parallel import vocab_parallel_logprob_entropy
 
 __all__ = [
     "CollectiveTimeout",
@@ -48,7 +47,6 @@ __all__ = [
     "broadcast_into",
     "broadcast_object",
     "close_control_group",
-    "covariance_weights",
     "exchange",
     "fail_together",
     "global_rank",
