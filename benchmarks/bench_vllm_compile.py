@@ -10,7 +10,7 @@ a fresh machine pays) and then with the cache that run left. Per mode it prints:
 - start: seconds from `VLLMEngine(...)` to a ready engine (compilation happens here);
 - first: the first `generate` (any lazy compile / warm-up left);
 - step: the mean of the next `--repeats` `generate` calls, and tokens/s;
-- after a weight push (`update_weights` with every tensor scaled by 1.001), the prompt
+- after a weight push (`load_stream` with every tensor scaled by 1.001), the prompt
   log-probs of a fixed sequence: the compiled engine must read the new weights exactly as the
   eager one does (max |diff| is printed), or its speed would not matter.
 
@@ -89,7 +89,7 @@ def child(args) -> dict:
     from safetensors.torch import load_file
 
     weights = load_file(str(Path(args.hf_dir) / "model.safetensors"))
-    engine.update_weights((name, t * 1.001) for name, t in weights.items())
+    engine.load_stream((name, t * 1.001) for name, t in weights.items())
     logp = engine.prompt_logprobs([reqs[0] + reqs[1]])[0]
     engine.shutdown()
     return dict(

@@ -147,7 +147,7 @@ def check_weight_update(engine, hf_dir):
     planted change (the end token made to dominate) shows; restoring the weights brings the
     original samples back."""
     sampling = SamplingConfig(temperature=0.7, max_tokens=8, seed=2)
-    engine.update_weights(_state_dict(hf_dir).items())
+    engine.load_stream(_state_dict(hf_dir).items())
     version = engine.version
 
     def sample():
@@ -160,7 +160,7 @@ def check_weight_update(engine, hf_dir):
     for name, tensor in changed.items():
         if name.endswith(("k_proj.weight", "v_proj.weight")):
             tensor.mul_(3.0)  # different keys and values for every cached position
-    engine.update_weights(changed.items())
+    engine.load_stream(changed.items())
     model = hf_model(hf_dir)
     model.load_state_dict(changed)
     groups = engine.generate(CACHED_PROMPTS, 2, sampling)
@@ -177,14 +177,14 @@ def check_weight_update(engine, hf_dir):
     planted["lm_head.weight"].zero_()
     planted["lm_head.weight"][:, 0] = -50.0  # so the end token (id 0) leads every other
     planted["lm_head.weight"][0, 0] = 50.0  # by 100 h_0 >> 1
-    engine.update_weights(planted.items())
+    engine.load_stream(planted.items())
     assert engine.version == version + 2
     groups = engine.generate(CACHED_PROMPTS, 2, sampling)
     assert all(g.policy_version == version + 2 for g in groups)
     for c in (c for g in groups for c in g.completions):
         assert c.token_ids == [0] and c.finish_reason == "stop" and c.logprobs[0] > -1e-3
 
-    engine.update_weights(_state_dict(hf_dir).items())
+    engine.load_stream(_state_dict(hf_dir).items())
     assert sample() == original and engine.version == version + 3
     from cwgrpo_megatron.rollout.vllm_engine import VLLMEngine
 
@@ -195,7 +195,7 @@ def check_weight_update(engine, hf_dir):
 def check_bad_weight_update(engine, hf_dir):
     """A bad update fails clearly and leaves a working engine."""
     sampling = SamplingConfig(temperature=0.7, max_tokens=8, seed=9)
-    engine.update_weights(_state_dict(hf_dir).items())
+    engine.load_stream(_state_dict(hf_dir).items())
     reference = [c.token_ids for g in engine.generate(PROMPTS, 1, sampling) for c in g.completions]
     for change, message in (
         (lambda w: w.update({"model.extra.weight": torch.zeros(2)}), "unknown tensor"),
@@ -205,7 +205,7 @@ def check_bad_weight_update(engine, hf_dir):
         weights = _state_dict(hf_dir)
         change(weights)
         with pytest.raises(ValueError, match=message):
-            engine.update_weights(weights.items())
+            engine.load_stream(weights.items())
         tokens = [c.token_ids for g in engine.generate(PROMPTS, 1, sampling) for c in g.completions]
         assert tokens == reference  # back on the checkpoint's weights, still generating
 

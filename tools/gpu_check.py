@@ -396,7 +396,7 @@ def check_vllm(ctx) -> Result:
             engine.wake(["weights"])
             if level == 2:  # its weights were dropped: the sync's load puts them back
                 ckpt = HFCheckpoint(model_dir)
-                engine.update_weights((name, ckpt.get(name)) for name in ckpt.names())
+                engine.load_stream((name, ckpt.get(name)) for name in ckpt.names())
             engine.wake(["kv_cache"])
             same[level] = _tokens(engine.generate(prompt, 2, sampling)) == first
     finally:

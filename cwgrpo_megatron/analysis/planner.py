@@ -67,6 +67,7 @@ from cwgrpo_megatron.comm.vocab_parallel import GPU_CHUNK_ELEMENTS
 from cwgrpo_megatron.convert.arch import ModelArch, divisors, padded_vocab_size
 from cwgrpo_megatron.rollout import engine_sleep_level
 from cwgrpo_megatron.rollout.replicas import Replicas
+from cwgrpo_megatron.weight_sync.senders import BUFFER_BYTES, TRANSFER_BUCKET_BYTES
 
 GiB = 1 << 30
 RECOMPUTE = ("none", "selective", "full")
@@ -81,13 +82,12 @@ SLEEP_RESIDUAL = 1 * GiB
 """What a sleeping vLLM keeps per GPU (its CUDA graphs and context; an estimate)."""
 VLLM_WORKSPACE = 1 * GiB
 """vLLM's activation workspace inside its reservation (it profiles one max-size batch)."""
-IPC_BUFFER_BYTES = 1 * GiB
-"""`weight_sync.transfer.BUFFER_BYTES`: the least size of each of vLLM's packed transfer
-buffers."""
+IPC_BUFFER_BYTES = BUFFER_BYTES
+"""The least size of each of vLLM's packed transfer buffers."""
 NCCL_BUFFERS = 2
 """vLLM's packed NCCL broadcast alternates between two buffers (one filling, one in flight)."""
-SYNC_BUCKET_BYTES = 256 << 20
-"""`megatron.publish.TRANSFER_BUCKET_BYTES`: shards in flight between nodes during a sync."""
+SYNC_BUCKET_BYTES = TRANSFER_BUCKET_BYTES
+"""Shards in flight between nodes during a sync."""
 LOSS_BYTES_PER_TOKEN = 36
 """What the policy loss keeps for backward per token (its [b, s] ratios, masks and KL terms):
 measured for cw_grpo with the KL term; the other losses keep about as much."""

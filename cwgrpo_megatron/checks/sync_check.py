@@ -348,4 +348,4 @@ def _push_planted(model, arch, engine, plant: str, before, *, dtype: str) -> Non
         for _ in stream:  # the collectives need every peer
             pass
     else:
-        engine.update_weights((n, corrupt(n, t)) for n, t in stream)
+        engine.load_stream((n, corrupt(n, t)) for n, t in stream)

@@ -40,7 +40,6 @@ from cwgrpo_megatron.data.dynamic_sampling import StepRounds
 from cwgrpo_megatron.data.prompts import Problem, PromptSampler
 from cwgrpo_megatron.eval.runner import eval_requests, eval_result, sample_requests
 from cwgrpo_megatron.megatron.conversion import export_hf, is_megatron_checkpoint
-from cwgrpo_megatron.megatron.publish import check_engine
 from cwgrpo_megatron.megatron.train_step import Actor
 from cwgrpo_megatron.reward import WeightedReward, build_reward
 from cwgrpo_megatron.reward.scoring import ScoredGroup, score_groups
@@ -56,6 +55,7 @@ from cwgrpo_megatron.rollout.placement import bind_process, split_cores
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.rollout.trace import TracedEngine
 from cwgrpo_megatron.run.run_dir import RunDir
+from cwgrpo_megatron.weight_sync.senders import check_engine
 
 log = logging.getLogger("cwgrpo_megatron.train")
 

@@ -2,7 +2,8 @@
 run.verify_sync steps, the check that each engine now scores like the trainer.
 
     WeightSync = the sync plan (who writes which shard into which node's buffers; fixed for the
-                 run) + the verifier (its tolerance calibrated on the start checkpoint)
+                 run) + the sender of the run's weight path (`weight_sync.senders`, resolved
+                 once) + the verifier (its tolerance calibrated on the start checkpoint)
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from cwgrpo_megatron.checks.sync_check import SyncVerifier
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron.model import DTYPES, use_transformer_engine
-from cwgrpo_megatron.megatron.publish import sync_plan, sync_weights
+from cwgrpo_megatron.megatron.publish import sync_plan, weight_sender
 from cwgrpo_megatron.rollout.base import RolloutEngine
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.weight_sync.plan import SyncPlan
+from cwgrpo_megatron.weight_sync.senders import Sender
 
 log = logging.getLogger("cwgrpo_megatron.train")
 
@@ -30,23 +32,24 @@ class WeightSync:
     dtype: str
     """The engines' dtype (`Config.engine_dtype`), which the shards are cast to."""
     plan: SyncPlan
+    sender: Sender
     verifier: SyncVerifier | None
     """None when run.verify_sync is 0."""
     verify_every: int
-    path: str | None = None
-    """How the last sync went (`SyncResult.path`), logged when it first is or changes."""
 
     @classmethod
     def build(
         cls, cfg: Config, replicas: Replicas, model, arch: ModelArch, engine: RolloutEngine | None
     ) -> WeightSync:
-        """The plan (one all_gather_object of every rank's shard) and, when run.verify_sync
-        asks for one, the verifier, calibrated now: trainer and engines both hold the start
-        checkpoint."""
+        """The plan (one all_gather_object of every rank's shard), the sender of the engines'
+        weight path (one more, of the owners' offers) and, when run.verify_sync asks for one,
+        the verifier, calibrated now: trainer and engines both hold the start checkpoint."""
         plan = sync_plan(replicas)
+        sender = weight_sender(plan, engine, arch, dtype=cfg.engine_dtype)
         if dist.get_rank() == 0:
             spec = use_transformer_engine()
             received = plan.received_bytes(arch, DTYPES[cfg.engine_dtype], te_spec=spec)
+            log.info("weight sync path: %s", sender.path)
             log.info(
                 "weight sync: per sync each node receives from the others %s",
                 ", ".join(f"node {n}: {b / 2**20:.1f} MiB" for n, b in received.items()),
@@ -65,6 +68,7 @@ class WeightSync:
             arch=arch,
             dtype=cfg.engine_dtype,
             plan=plan,
+            sender=sender,
             verifier=verifier,
             verify_every=cfg.run.verify_sync,
         )
@@ -72,10 +76,7 @@ class WeightSync:
     def push(self, model, engine: RolloutEngine | None) -> dict[str, float]:
         """Weights into every engine (every rank calls this; `engine` on the owners): the most
         MiB a node received from the others."""
-        done = sync_weights(model, self.arch, engine, dtype=self.dtype, plan=self.plan)
-        if done.path != self.path and dist.get_rank() == 0:
-            log.info("weight sync path: %s", done.path)
-        self.path = done.path
+        done = self.sender.send(model, engine)
         return {"sync/received_mb": max(done.received.values()) / 2**20}
 
     def check(self, model, engine: RolloutEngine | None, *, step: int | None) -> dict[str, float]:

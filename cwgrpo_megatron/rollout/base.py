@@ -202,8 +202,9 @@ class EngineBase:
     """What every backend keeps: the checkpoint's architecture and HF tensor shapes (what an
     update must deliver), the request limits, the policy version and a seed source."""
 
-    transfer: str | None = None
-    """The vLLM weight transfer backend of `receive` (only a vLLM engine on GPUs has one)."""
+    sync_path: str = "stream"
+    """The weight path this engine takes (`weight_sync.names`): the stream, unless a backend
+    has a buffer or vLLM's transfer."""
 
     def __init__(
         self, model_dir: str | os.PathLike, *, seed: int, max_model_len: int, long_prompt: str
@@ -226,11 +227,14 @@ class EngineBase:
             long_prompt=self.long_prompt,
         )
 
-    def shared_weights(self, dtype: torch.dtype) -> SharedWeights | None:
-        return None
+    def shm_buffer(self, dtype: torch.dtype) -> SharedWeights:
+        raise NotImplementedError(f"{type(self).__name__} has no shm weight buffer")
 
-    def load_shared_weights(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no shared weight buffer")
+    def load_shm(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no shm weight buffer")
+
+    def load_transfer(self, send) -> None:
+        raise NotImplementedError(f"{type(self).__name__} takes no vLLM weight transfer")
 
     def _seed(self, sampling: SamplingConfig) -> int:
         """The call's seed: the caller's, else the next of the engine's own (reproducible runs

@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 from cwgrpo_megatron.common.settings import check_choice, check_range
 from cwgrpo_megatron.rollout.names import LONG_PROMPT_POLICIES, ROLLOUT_BACKENDS
+from cwgrpo_megatron.weight_sync.names import CHOSEN_PATHS
 
 DTYPE_NAMES = ("float32", "bfloat16")
 SLEEP_LEVELS = (0, 1, 2)
-WEIGHT_SYNC_PATHS = ("ipc", "nccl", "shm")
 PLACEMENTS = ("colocated", "separate")
 ASYNC_STEPS = (0, 1)
 
@@ -53,13 +53,14 @@ class RolloutConfig:
     """Where the vLLM engine's weight-sync buffer lives: a tmpfs with room for one copy of the
     model in the engine dtype, kept while the engine runs."""
     weight_sync: str | None = None
-    """How the trainer's weights reach a vLLM engine: ipc (CUDA IPC from every rank on the
-    engine's GPUs, through vLLM's weight transfer; `weight_sync.ipc`), nccl (a broadcast from
-    the engine's owner to an engine on GPUs of its own, through vLLM's weight transfer;
-    `weight_sync.nccl`) or shm (a buffer in shm_dir, through host memory). None: on GPUs ipc,
-    or nccl with placement=separate; shm on CPU. An in-process engine on a GPU reads the
-    trainer's tensors directly either way. ipc and nccl fall back to shm for a sync whose
-    shards cross nodes (a pipeline stage on another node)."""
+    """The weight path to a vLLM engine (`weight_sync.names`; the log says which one a run
+    takes: `weight sync path: shm`): ipc (CUDA IPC from every rank on the engine's GPUs,
+    through vLLM's weight transfer), nccl (a broadcast from the engine's owner to an engine
+    on GPUs of its own, through vLLM's weight transfer) or shm (a buffer in shm_dir, through
+    host memory). None: on GPUs ipc, or nccl with placement=separate; shm on CPU. An
+    in-process engine on a GPU, and the torch backend, take stream (the whole model as full
+    tensors) either way. ipc and nccl fall back to shm for a sync whose shards cross nodes
+    (a pipeline stage on another node)."""
     replicas: int | str = "auto"
     """Engine replicas: auto (on GPUs one engine per `tp` consecutive GPUs of every node, so
     that every GPU generates; on CPU one per node), per_node (one engine on each node, as
@@ -94,7 +95,7 @@ class RolloutConfig:
         check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS.names())
         check_choice("rollout.long_prompt", self.long_prompt, LONG_PROMPT_POLICIES)
         if self.weight_sync is not None:
-            check_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNC_PATHS)
+            check_choice("rollout.weight_sync", self.weight_sync, CHOSEN_PATHS)
         if self.sleep_level is not None:
             check_choice("rollout.sleep_level", self.sleep_level, SLEEP_LEVELS)
         if self.dtype is not None:

@@ -157,7 +157,7 @@ class TorchEngine(EngineBase):
         return result
 
     @torch.no_grad()
-    def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def load_stream(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         params = dict(self.model.named_parameters())
         staged = {}  # copy only once the whole update has been checked: never a mixed policy
         for name, tensor in checked_weights(weights, self.shapes):

@@ -3,10 +3,10 @@
     {"step": k, "replica": r, "call": "generate" | "sleep" | "wake" | "load",
      "level": L (sleep; else null), "tags": [...] (wake; else null)}
 
-`load` is a weight sync into the engine (`update_weights`, `load_shared_weights` or
-`receive`); `step` is the training step the call belongs to (0 before the first). On CPU,
-where sleeping frees nothing, the trace is how the order of a step's calls (docs/design.md,
-section 4) is proven.
+`load` is a weight sync into the engine (`load_shm`, `load_transfer` or `load_stream`);
+`step` is the training step the call belongs to (0 before the first). On CPU, where sleeping
+frees nothing, the trace is how the order of a step's calls (docs/design.md, section 4) is
+proven.
 
 Each replica's owner appends to the same `engine_calls.jsonl`: one `os.write` of one line on a
 file opened with O_APPEND, so lines of owners on one machine do not interleave. A file system
@@ -62,17 +62,17 @@ class TracedEngine:
         self._write("wake", tags=("weights", "kv_cache") if tags is None else tags)
         self.engine.wake(tags)
 
-    def update_weights(self, weights) -> None:
+    def load_stream(self, weights) -> None:
         self._write("load")
-        self.engine.update_weights(weights)
+        self.engine.load_stream(weights)
 
-    def load_shared_weights(self) -> None:
+    def load_shm(self) -> None:
         self._write("load")
-        self.engine.load_shared_weights()
+        self.engine.load_shm()
 
-    def receive(self, send) -> None:
+    def load_transfer(self, send) -> None:
         self._write("load")
-        self.engine.receive(send)
+        self.engine.load_transfer(send)
 
 
 def read_calls(path: str | os.PathLike) -> list[dict]:

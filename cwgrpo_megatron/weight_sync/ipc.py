@@ -12,7 +12,7 @@ Every rank of the job, in lockstep:
          their engine (`LLM.update_weights`): each vLLM worker opens the handle of its own
          GPU and loads the tensors; a barrier before the buffer is reused
 
-Nothing leaves the GPU. `megatron.publish.sync_weights` takes this path only when every
+Nothing leaves the GPU. `weight_sync.senders.build_sender` takes this path only when every
 engine's node holds every shard (no pipeline stage on another node): the export's
 collectives then stay inside the node. Otherwise it keeps the shared-memory buffers, whose plan
 sends a shard a node lacks across the network once for the node rather than once for each of

@@ -17,9 +17,10 @@ lockstep:
       -> on the other ranks: dropped (the export's collectives need every rank)
 
 NCCL cannot place two ranks of one group on one GPU, so this path needs engines on GPUs the
-trainer does not use (`rollout.vllm_engine` refuses it otherwise). `megatron.publish` takes it,
-as it takes IPC, only when no pipeline stage is on another node; otherwise every owner would
-pull the stages its node lacks, and the shared-memory buffers move them once per node.
+trainer does not use (`rollout.vllm_weights` refuses it otherwise). `weight_sync.senders`
+takes it, as it takes IPC, only when no pipeline stage is on another node; otherwise every
+owner would pull the stages its node lacks, and the shared-memory buffers move them once per
+node.
 
 Per sync for Qwen2.5-Math-7B in bf16 (15.2 GB), with two engines on a node's last two GPUs at
 rollout.tp 1 (estimates; no GPU has run this): the export's TP all-gathers as for IPC

@@ -17,7 +17,8 @@ receives, per sync, the bytes of the shards it lacks in the engine dtype (`recei
 nothing is sent twice to a node. A tied output layer is never sent: the embedding's writer
 covers it; a replicated parameter (a norm) only from tensor-parallel rank 0.
 
-Pure bookkeeping: `megatron.publish` gathers the ranks' places and runs the plan.
+Pure bookkeeping: `megatron.publish` gathers the ranks' places, `weight_sync.senders` runs
+the plan.
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
-"""What the weight sync needs of an engine: the receiver's side of the protocol, which every
-rollout engine implements (`rollout.base.RolloutEngine` extends it).
+"""What the weight sync needs of an engine: the receiving side of each weight path
+(`weight_sync.names`), which every rollout engine implements (`rollout.base.RolloutEngine`
+extends it). The trainer's side is `weight_sync.senders`.
 
-Three paths, chosen by the engine (`megatron.publish.sync_weights` asks it):
-
-    buffer   `shared_weights(dtype)` hands out a shared-memory buffer laid out as the HF model
+    shm      `shm_buffer(dtype)` hands out a shared-memory buffer laid out as the HF model
              (`weight_sync.shm`); the trainer's ranks write their shards into it, then
-             `load_shared_weights()` loads it (in vLLM's worker: `weight_sync.vllm_worker`)
-    stream   `update_weights(tensors)` takes the whole model as HF-named full tensors
-             (`weight_sync.export`), for an engine without a buffer
-    transfer `receive(send)`: vLLM engines on GPUs take the tensors the trainer's ranks export
-             on their GPUs through vLLM's weight transfer: over CUDA IPC from every rank on
-             the engine's GPUs (`weight_sync.ipc`), or over NCCL from the engine's owner to
-             engines on GPUs of their own (`weight_sync.nccl`)
+             `load_shm()` loads it (in vLLM's worker: `weight_sync.vllm_worker`)
+    ipc/nccl `load_transfer(send)`: a vLLM engine on GPUs takes the tensors the trainer's
+             ranks export on their GPUs through vLLM's weight transfer: over CUDA IPC from
+             every rank on the engine's GPUs (`weight_sync.ipc`), or over NCCL from the
+             engine's owner to an engine on GPUs of its own (`weight_sync.nccl`)
+    stream   `load_stream(tensors)` takes the whole model as HF-named full tensors
+             (`weight_sync.export`)
 """
 
 from __future__ import annotations
@@ -34,26 +33,27 @@ class WeightReceiver(Protocol):
     engine of another model)."""
     model_dir: str
     """The checkpoint the engine started from."""
-    transfer: str | None
-    """The vLLM weight transfer backend that `receive` takes ("ipc" or "nccl"); None: the
-    buffer or the stream."""
+    sync_path: str
+    """The path this engine takes (`weight_sync.names.SYNC_PATHS`). An engine on ipc or nccl
+    also has an shm buffer, for a sync whose shards cross nodes."""
 
-    def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Load HF-named full tensors (the whole model, streamed); bumps `version`."""
+    def load_stream(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """The stream path: load HF-named full tensors (the whole model, checked before the
+        engine is touched); bumps `version`. Every engine takes it."""
         ...
 
-    def shared_weights(self, dtype: torch.dtype) -> SharedWeights | None:
-        """A shared-memory buffer laid out as the HF model that the trainer's ranks may write
-        their shards into; None when `update_weights` is the faster path (an engine that reads
-        the trainer's tensors themselves, e.g. in-process on the same GPU)."""
+    def shm_buffer(self, dtype: torch.dtype) -> SharedWeights:
+        """The shm path: a shared-memory buffer laid out as the HF model, in `dtype`, that the
+        trainer's ranks write their shards into (made at the first call, kept until the engine
+        shuts down). NotImplementedError for an engine on the stream path."""
         ...
 
-    def load_shared_weights(self) -> None:
-        """Load what the buffer holds now (every tensor must have been written); bumps
-        `version`."""
+    def load_shm(self) -> None:
+        """The shm path: load what the buffer holds now (every tensor must have been written);
+        bumps `version`."""
         ...
 
-    def receive(self, send) -> None:
-        """Load what `send(llm)` transfers (`weight_sync.ipc.send_ipc` or
-        `weight_sync.nccl.send_nccl`, which every rank runs at once); bumps `version`."""
+    def load_transfer(self, send) -> None:
+        """The ipc and nccl paths: load what `send(llm)` transfers (`weight_sync.ipc.send_ipc`
+        or `weight_sync.nccl.send_nccl`, which every rank runs at once); bumps `version`."""
         ...

@@ -19,7 +19,7 @@ into touched ones): it holds one copy of the model in `dtype` in shared memory w
 lives. The folder is named after its owner's pid, so a run killed before its clean-up leaves
 something `remove_orphaned_buffers` recognises.
 
-No collectives here: the caller orders writes and reads (`megatron.publish`).
+No collectives here: the caller orders writes and reads (`weight_sync.senders`).
 """
 
 from __future__ import annotations

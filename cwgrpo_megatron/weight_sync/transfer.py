@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-BUFFER_BYTES = 1 << 30
-"""The least size of each packed transfer buffer, IPC's one and NCCL's two (vLLM's default); a
-buffer grows to the largest tensor."""
+from cwgrpo_megatron.weight_sync.senders import BUFFER_BYTES
+
+__all__ = ["BUFFER_BYTES", "HFSource", "LLMClient", "NoClient", "largest_bytes"]
 
 
 class HFSource(WeightSource):

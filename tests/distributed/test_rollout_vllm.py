@@ -97,7 +97,7 @@ def _engine_processes(owner_pid: int) -> list:
 
     import psutil
 
-    from cwgrpo_megatron.rollout.vllm_engine import ENGINE_RECORDS
+    from cwgrpo_megatron.rollout.vllm_processes import ENGINE_RECORDS
 
     record = ENGINE_RECORDS / f"{owner_pid}.json"
     return [psutil.Process(int(pid)) for pid in json.loads(record.read_text())]
@@ -122,12 +122,12 @@ def test_engine_processes_of_a_killed_trainer_are_cleaned_up_on_start(
     import psutil
 
     from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
-    from cwgrpo_megatron.rollout import vllm_engine
+    from cwgrpo_megatron.rollout import vllm_processes
 
     # the trainer's records in a folder of this test's own: an engine that another pytest
     # worker starts meanwhile cleans up the shared folder, and would take the kill from here
     monkeypatch.setenv("TMPDIR", str(own_tmp))  # read by the spawned trainer
-    monkeypatch.setattr(vllm_engine, "ENGINE_RECORDS", own_tmp / "cwgrpo-engines")
+    monkeypatch.setattr(vllm_processes, "ENGINE_RECORDS", own_tmp / "cwgrpo-engines")
     hf_dir = str(save_tiny_qwen2(tmp_path / "hf"))
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
@@ -139,6 +139,6 @@ def test_engine_processes_of_a_killed_trainer_are_cleaned_up_on_start(
     trainer.kill()
     trainer.join()
     assert any(p.is_running() for p in orphans)  # vLLM leaves them behind
-    assert vllm_engine.kill_orphaned_engines() >= 1
+    assert vllm_processes.kill_orphaned_engines() >= 1
     psutil.wait_procs(orphans, timeout=10)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in orphans)

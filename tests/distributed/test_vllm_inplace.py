@@ -86,11 +86,11 @@ def _inplace_checks(rank, world_size, hf_dir, shm_dir):
         out["untouched"] = torch.equal(scores(), concatenated)
 
         # the engine's own update path; declined, it falls back to vLLM's reload
-        engine.update_weights(first.items())
+        engine.load_stream(first.items())
         out["update"] = (engine.last_load, torch.equal(scores(), in_place))
         load_in_place, vllm_inplace.load_in_place = vllm_inplace.load_in_place, lambda *a: False
         try:  # put back: the worker process runs later tests too
-            engine.update_weights(second.items())
+            engine.load_stream(second.items())
         finally:
             vllm_inplace.load_in_place = load_in_place
         fallback = scores()

@@ -33,9 +33,9 @@ def tied_hf_dir(tmp_path_factory):  # vLLM pads the 500-row vocabulary to 512
 @pytest.mark.parametrize(
     "tp,pp,backend,rounds,path,tied",
     [
-        (2, 1, "vllm", 10, "shared", False),
-        (1, 2, "vllm", 3, "shared", False),
-        (1, 2, "vllm", 2, "shared", True),
+        (2, 1, "vllm", 10, "shm", False),
+        (1, 2, "vllm", 3, "shm", False),
+        (1, 2, "vllm", 2, "shm", True),
         (2, 2, "torch", 3, "stream", False),
     ],
     ids=["tp2-vllm-10-syncs", "pp2-vllm", "pp2-vllm-tied", "tp2pp2-torch"],

@@ -94,7 +94,7 @@ def test_async_run_samples_each_step_with_the_weights_before_the_last_update(asy
     rows = check_run_folder(out, 3)
     assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 1.0]
     assert "rank 0 on cores [0], its engine on cores [1]" in log
-    assert "weight sync path: shared" in log  # on CPU a separate engine reads /dev/shm
+    assert "weight sync path: shm" in log  # on CPU a separate engine reads /dev/shm
     # step 1 samples with the weights it trains (fp32 on both sides); steps 2 and 3 with the
     # weights before the previous update, which moved the policy
     assert rows[0]["actor/grad_norm"] > 0

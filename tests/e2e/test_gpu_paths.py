@@ -84,7 +84,7 @@ def test_an_engine_on_a_gpu_of_its_own_takes_its_weights_over_nccl(tiny, tmp_pat
     )
     code, log = launch([*torchrun(1), "-m", MODULE, *train_args(tiny, out, *separate)])
     assert code == 0, log
-    assert "weight sync path: nccl" in log and "weight sync path: shared" not in log
+    assert "weight sync path: nccl" in log and "weight sync path: shm" not in log
     rows = check_run_folder(out, 3)
     assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 1.0]
     assert all(r["sync/gap"] <= r["sync/tol"] for r in rows)

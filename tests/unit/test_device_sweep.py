@@ -247,20 +247,20 @@ def test_engines_sleep_by_default_on_a_gpu_and_not_on_cpu(cuda, expected):
         (None, True, False, None, "ipc"),  # engine processes on GPUs: CUDA IPC
         ("ipc", True, False, [0], "ipc"),
         ("nccl", True, False, [1], "nccl"),  # an engine on a GPU of its own (this rank: GPU 0)
-        ("shm", True, False, None, None),  # the host-memory buffer, on request
-        (None, True, True, None, None),  # in-process on a GPU: the trainer's own tensors
-        (None, False, False, None, None),  # CPU: the /dev/shm buffer
-        ("shm", False, False, None, None),
+        ("shm", True, False, None, "shm"),  # the host-memory buffer, on request
+        (None, True, True, None, "stream"),  # in-process on a GPU: the trainer's own tensors
+        (None, False, False, None, "shm"),  # CPU: the /dev/shm buffer
+        ("shm", False, False, None, "shm"),
     ],
 )
 def test_the_weight_sync_path_is_chosen_by_device(
     monkeypatch, setting, cuda, in_process, devices, expected
 ):
-    from cwgrpo_megatron.rollout.vllm_engine import _transfer
+    from cwgrpo_megatron.rollout.vllm_weights import engine_sync_path
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert _transfer(setting, in_process=in_process, devices=devices) == expected
+    assert engine_sync_path(setting, in_process=in_process, devices=devices) == expected
 
 
 @pytest.mark.parametrize(
@@ -276,12 +276,12 @@ def test_the_weight_sync_path_is_chosen_by_device(
 def test_a_transfer_where_it_cannot_work_is_refused(
     monkeypatch, setting, cuda, in_process, devices, message
 ):
-    from cwgrpo_megatron.rollout.vllm_engine import _transfer
+    from cwgrpo_megatron.rollout.vllm_weights import engine_sync_path
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match=message):
-        _transfer(setting, in_process=in_process, devices=devices)
+        engine_sync_path(setting, in_process=in_process, devices=devices)
 
 
 @pytest.mark.parametrize(

@@ -153,7 +153,7 @@ def test_the_sleep_level_decides_what_the_engine_holds_in_each_phase(capsys):
 def test_the_planners_sync_sizes_are_the_syncs_own():
     from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_NUM_BUFFERS
 
-    from cwgrpo_megatron.megatron.publish import TRANSFER_BUCKET_BYTES
+    from cwgrpo_megatron.weight_sync.senders import TRANSFER_BUCKET_BYTES
     from cwgrpo_megatron.weight_sync.transfer import BUFFER_BYTES
 
     assert planner.IPC_BUFFER_BYTES == BUFFER_BYTES
