@@ -9,14 +9,15 @@ All modes train the same random Qwen2 on two trainer processes from the same con
     2, PP2      the same two nodes at PP2, one stage a node: each node's sync receives the
                 other stage over the network (gloo on loopback here)
 
-Per step, after `--warmup` untimed steps, rank 0 times the rollout phase (`Rollouts.generate`:
-every replica generates its share, the slowest sets the time), the sync (`WeightSync.push`: each
-node's ranks write their shards into their engine's buffer; at DP2 each node holds the whole
-model, so nothing crosses nodes; at PP2 each receives the stage it lacks) and the cross-replica
-collectives that the loop adds around them, with the step's own payload: the failure agreement
-after generation (`fail_together`) and the all-gather that assembles the step's scored groups
-on every rank (`Rollouts.score`). The table gives medians over the timed steps, and the range
-of the rollout's seconds: two engines on one machine vary from step to step and run to run.
+Per step, after `--warmup` untimed steps, rank 0 takes the rollout phase's time (`Rollouts.make`:
+every replica generates its share, the slowest sets the time), and times the sync
+(`WeightSync.push`: each node's ranks write their shards into their engine's buffer; at DP2
+each node holds the whole model, so nothing crosses nodes; at PP2 each receives the stage it
+lacks) and the cross-replica collective that the loop adds to the rollouts, with the step's
+own payload: the all-gather that assembles the step's scored groups on every rank and tells
+every rank of a failure on any (`components.rollouts.gather`). The table gives medians over
+the timed steps, and the range of the rollout's seconds: two engines on one machine vary from
+step to step and run to run.
 
 Completions have no end token (`end_tokens=0`): every completion is `--tokens` long. On a
 2-core machine the generation ratio mostly measures overhead: the two engines split the same
@@ -29,6 +30,7 @@ Usage: python benchmarks/bench_rollout_scale.py [--quick] [--steps N] [--warmup 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -61,7 +63,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from cwgrpo_megatron.build import build_trainer
-    from cwgrpo_megatron.comm import all_gather_or_fail, fail_together, world_group
+    from cwgrpo_megatron.comm import all_gather_or_fail, world_group
+    from cwgrpo_megatron.components.rollouts import gather
     from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
 
@@ -94,20 +97,16 @@ def worker(args) -> None:
             for step in range(1, args.warmup + args.steps + 1):
                 rollouts, weights = trainer.rollouts, trainer.sync
                 prompts = rollouts.draw(step)
-                start = time.perf_counter()
-                groups = rollouts.generate(prompts)
-                rollout = time.perf_counter() - start
-                scored = rollouts.score(prompts, groups)
+                scored, seconds = gather(functools.partial(rollouts.make, prompts), "timing")
+                rollout = seconds["rollout"]  # the slowest replica's generation
                 start = time.perf_counter()
                 pushed = weights.push(trainer.actor.model, rollouts.engine)
                 weights.check(trainer.actor.model, rollouts.engine, step=step)
                 received = pushed["sync/received_mb"]
                 sync = time.perf_counter() - start
-                # the loop's cross-replica collectives again, alone, with this step's payload
+                # the loop's cross-replica collective again, alone, with this step's payload
                 mine = [g for g in scored if g.position in prompts.positions]
                 start = time.perf_counter()
-                with fail_together("timing", world):
-                    pass
                 all_gather_or_fail(lambda mine=mine: mine, "timing", world)
                 collectives = time.perf_counter() - start
                 rows.append(

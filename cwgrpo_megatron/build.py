@@ -26,6 +26,7 @@ from cwgrpo_megatron.comm import (
     all_gather_or_fail,
     close_control_group,
     fail_together,
+    job_rank,
     node_of_each_rank,
     open_control_group,
     world_group,
@@ -68,7 +69,7 @@ def build_trainer(cfg: Config, *, sources: Sequence[str] = ()) -> Trainer:
     with fail_together("preparing the run folder", group):
         run = (
             prepare(cfg, sources=sources)
-            if dist.get_rank() == 0
+            if job_rank() == 0
             else RunDir(Path(cfg.run.out_dir).resolve())
         )
     _check_shared_folder(run, group, wait_s=cfg.run.shared_dir_wait_s)
@@ -90,7 +91,7 @@ def build_trainer(cfg: Config, *, sources: Sequence[str] = ()) -> Trainer:
             sync.push(actor.model, rollouts.engine)
             sync.check(actor.model, rollouts.engine, step=None)
         _write_run_files(run, state.step, saved_line, group)
-        tracker = Tracker(cfg, run, start_step=state.step, enabled=dist.get_rank() == 0)
+        tracker = Tracker(cfg, run, start_step=state.step, enabled=job_rank() == 0)
         stack.callback(tracker.close)
         return Trainer(
             cfg=cfg,
@@ -113,7 +114,7 @@ def _check_shared_folder(run: RunDir, group, *, wait_s: float) -> None:
     nodes = node_of_each_rank(group)
     if len(set(nodes)) == 1:
         return
-    rank = dist.get_rank()
+    rank = job_rank()
     hosts_tokens = all_gather_objects((socket.gethostname(), uuid.uuid4().hex[:12]), group)
     token = hosts_tokens[0][1]  # rank 0's: this start's markers, never an earlier start's
     order = list(dict.fromkeys(nodes))
@@ -157,7 +158,7 @@ def _build_actor(cfg: Config, arch: ModelArch, group) -> Actor:
 def _write_run_files(run: RunDir, step: int, saved_line: dict | None, group) -> None:
     """env.json, and metrics.jsonl rewound to the resumed step (rank 0)."""
     hostnames = all_gather_objects(socket.gethostname(), group)
-    if dist.get_rank() == 0:
+    if job_rank() == 0:
         rewind_metrics(run.metrics, step=step, saved_line=saved_line)
         spec = "te" if use_transformer_engine() else "local"
         write_env(run, layout=parallel.layout(), hostnames=hostnames, layer_spec=spec)
@@ -167,7 +168,7 @@ def _resume(cfg: Config, run: RunDir, actor: Actor, state: LoopState, group) -> 
     """Load the checkpoint run.resume points to (rank 0 decides, every rank follows) into the
     actor and the loop state; returns the metrics line saved with it."""
     found = all_gather_or_fail(
-        lambda: checkpoint_to_resume(cfg, run) if dist.get_rank() == 0 else None,
+        lambda: checkpoint_to_resume(cfg, run) if job_rank() == 0 else None,
         "finding the checkpoint to resume",
         group,
     )[0]
@@ -178,9 +179,9 @@ def _resume(cfg: Config, run: RunDir, actor: Actor, state: LoopState, group) -> 
         state.load_state_dict(data_state["loop"], train_checkpoint.load_objects(found))
         if actor.step != state.step * cfg.train.ppo_mini_batches:
             raise ValueError(
-                f"{found} holds {actor.step} optimizer steps for {state.step} rollout steps: "
+                f"{found} holds {actor.step} optimizer steps for {state.step} training steps: "
                 "train.ppo_mini_batches differs from the run that saved it"
             )
-    if dist.get_rank() == 0:
+    if job_rank() == 0:
         log.info("resumed from %s at step %d", found, state.step)
     return data_state.get("metrics")

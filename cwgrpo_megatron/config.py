@@ -90,7 +90,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio."""
     warmup_ratio: float = 0.1
-    """Fraction of train.total_steps spent in linear warm-up."""
+    """Fraction of the run's optimizer steps (`TrainConfig.optimizer_steps`) spent in linear
+    warm-up."""
     weight_decay: float = 0.0
     """Decoupled weight decay (Adam) / L2 (SGD)."""
     adam_beta1: float = 0.9
@@ -118,13 +119,17 @@ class TrainConfig:
     """The step: batch algebra, micro-batching, precision and seeding."""
 
     total_steps: int = 100
-    """Optimizer steps of the run (sets the LR schedule)."""
+    """Training steps of the run. A step generates one rollout batch and makes
+    train.ppo_mini_batches optimizer steps on it; the metrics line, run.save_every and
+    run.eval_every count the same steps, and the LR schedule spans total_steps x
+    ppo_mini_batches optimizer steps."""
     prompts_per_step: int = 12
     """Prompts per rollout batch (P)."""
     group_size: int = 6
     """Responses per prompt (G)."""
     ppo_mini_batches: int = 1
-    """Optimizer steps per rollout batch; later ones re-run the forward-only pass."""
+    """Optimizer steps per training step, each on a mini-batch of its rollouts; later ones
+    re-run the forward-only pass."""
     micro_batch_size: int = 1
     """Sequences per micro-batch on one data-parallel rank, each padded to the step's longest
     row (unused with max_tokens_per_micro_batch)."""
@@ -204,6 +209,12 @@ class TrainConfig:
             "recompute_method": self.recompute_method,
             "recompute_num_layers": self.recompute_num_layers,
         }
+
+    @property
+    def optimizer_steps(self) -> int:
+        """The optimizer steps of the run, which the LR schedule spans: ppo_mini_batches per
+        training step."""
+        return self.total_steps * self.ppo_mini_batches
 
     def __post_init__(self) -> None:
         for key in (
@@ -400,11 +411,6 @@ class Config:
                 f"data.max_prompt_tokens + rollout.max_tokens = {longest}: raise it (a row is "
                 "never split)"
             )
-        if t.total_steps % t.ppo_mini_batches:
-            raise ValueError(
-                f"train.total_steps={t.total_steps} counts optimizer steps and must be a "
-                f"multiple of train.ppo_mini_batches={t.ppo_mini_batches}"
-            )
         buffer = self.reward.overlong_buffer_tokens
         if "overlong" in self.reward.weights and buffer > r.max_tokens:
             raise ValueError(
@@ -427,11 +433,6 @@ class Config:
         """The engine's (and the weight sync's) dtype: rollout.dtype, else train.params_dtype."""
         return self.rollout.dtype or self.train.params_dtype
 
-    @property
-    def rollout_steps(self) -> int:
-        """Rollout batches of the run: each gives train.ppo_mini_batches optimizer steps."""
-        return self.train.total_steps // self.train.ppo_mini_batches
-
     def check_world(self, world_size: int) -> int:
         """The data-parallel size for `world_size` ranks; ValueError when the batch cannot
         be split into whole prompt groups per data-parallel rank and mini-batch."""
@@ -448,21 +449,38 @@ class Config:
         return dp
 
     def split_problem(self, prompts: int, dp: int) -> str | None:
-        """Why a batch of `prompts` groups cannot be trained at data-parallel size `dp` (whole
-        groups per rank and mini-batch, whole micro-batches), or None when it can."""
+        """Why a batch of `prompts` groups cannot be trained at data-parallel size `dp`
+        (`split_problem`, with this config's train settings), or None when it can."""
         t = self.train
-        if prompts % t.ppo_mini_batches:
-            return f"{prompts} prompts do not split into {t.ppo_mini_batches} mini-batches"
-        per_mini = prompts // t.ppo_mini_batches
-        if per_mini % dp:
-            return f"{per_mini} prompts per mini-batch do not split over dp={dp} ranks"
-        rows = per_mini // dp * t.group_size
-        if t.max_tokens_per_micro_batch is None and rows % t.micro_batch_size:
-            return (
-                f"{rows} sequences per rank and mini-batch are not a multiple of "
-                f"train.micro_batch_size={t.micro_batch_size}"
-            )
-        return None
+        budget = t.max_tokens_per_micro_batch is not None
+        return split_problem(
+            prompts,
+            dp=dp,
+            group_size=t.group_size,
+            mini_batches=t.ppo_mini_batches,
+            micro_batch_size=None if budget else t.micro_batch_size,
+        )
+
+
+def split_problem(
+    prompts: int, *, dp: int, group_size: int, mini_batches: int, micro_batch_size: int | None
+) -> str | None:
+    """Why `prompts` groups of `group_size` cannot be trained at data-parallel size `dp` in
+    `mini_batches` mini-batches (whole groups per rank and mini-batch) and micro-batches of
+    `micro_batch_size` rows (None: a token budget, any rows), or None when they can. The
+    trainer's check (`Config.split_problem`) and the memory planner's."""
+    if prompts % mini_batches:
+        return f"{prompts} prompts do not split into {mini_batches} mini-batches"
+    per_mini = prompts // mini_batches
+    if per_mini % dp:
+        return f"{per_mini} prompts per mini-batch do not split over dp={dp} ranks"
+    rows = per_mini // dp * group_size
+    if micro_batch_size is not None and rows % micro_batch_size:
+        return (
+            f"{rows} sequences per rank and mini-batch are not a multiple of "
+            f"train.micro_batch_size={micro_batch_size}"
+        )
+    return None
 
 
 def load_config(

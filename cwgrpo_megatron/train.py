@@ -75,12 +75,11 @@ def run(argv=None, *, recipe: str | None = None) -> int:
     (a launcher's config) comes first: every --config file stacks on it, in order."""
     args = parse(argv)
     configs = ([] if recipe is None else [recipe]) + args.config
-    import torch.distributed as dist
-
     from cwgrpo_megatron.build import build_trainer
+    from cwgrpo_megatron.comm import job_rank
     from cwgrpo_megatron.config import config_sources, load_config
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = job_rank()
     setup_logging(rank)
     log = logging.getLogger("cwgrpo_megatron.train")
     trainer = None

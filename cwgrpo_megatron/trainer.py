@@ -112,7 +112,7 @@ class Trainer:
     def fit(self) -> None:
         if self.cfg.run.eval_at_start and self.cfg.eval.benchmarks and self.state.step == 0:
             self.evaluate_before_training()
-        while self.state.step < self.cfg.rollout_steps:
+        while self.state.step < self.cfg.train.total_steps:
             self.train_one_step()
         if self.cfg.run.export_hf == "at_end":
             self.export()
@@ -122,9 +122,9 @@ class Trainer:
         cfg, timer, step = self.cfg, PhaseTimer(), self.state.step + 1
         with timer("step"):
             self.rollouts.at_step(step)
-            made = self.state.ahead or self.rollouts.collect(step, timer=timer)
+            made = self.state.ahead or self.rollouts.collect(step)
             ahead = None
-            if cfg.rollout.async_steps and step < cfg.rollout_steps:
+            if cfg.rollout.async_steps and step < cfg.train.total_steps:
                 ahead = self.rollouts.start(step + 1)
             with timer("sleep"):
                 self.rollouts.sleep()
@@ -145,17 +145,14 @@ class Trainer:
             metrics = {**rollout_metrics(scored), **made.metrics, **actor_metrics(results)}
             metrics.update({"rollout/policy_lag": float(made.lag(step)), **pushed, **checked})
             self.write_samples(step, scored)
-            if _due(step, cfg.run.eval_every, cfg.rollout_steps) and self.cfg.eval.benchmarks:
+            if _due(step, cfg.run.eval_every, cfg.train.total_steps) and self.cfg.eval.benchmarks:
                 with timer("eval"):
                     metrics.update(self.evaluate(step))
             self.state.step = step
-            if _due(step, cfg.run.save_every, cfg.rollout_steps, always_last=True):
-                with timer("checkpoint"):
-                    seconds = {**made.seconds, **timer.seconds}  # ahead: timed in its thread
-                    partial = timing_metrics(seconds, tokens=step_tokens(scored))
-                    self.save({"step": step, **metrics, **partial})
-        seconds = {**made.seconds, **timer.seconds}
-        metrics.update(timing_metrics(seconds, tokens=step_tokens(scored)))
+            if _due(step, cfg.run.save_every, cfg.train.total_steps, always_last=True):
+                with timer("checkpoint"):  # the checkpoint's line: the step's times so far
+                    self.save({"step": step, **metrics, **_timings(made, timer)})
+        metrics.update(_timings(made, timer))
         self.tracker.log(step, metrics, histograms={"cw/cov": cov_histogram(results)})
         return metrics
 
@@ -258,6 +255,14 @@ class Trainer:
         """Release what the run holds, in the order `build_trainer` declared: sinks, reward
         workers, Megatron's groups, the engine."""
         self.resources.close()
+
+
+def _timings(made: StepRollouts, timer: PhaseTimer) -> dict[str, float]:
+    """The step's timing_s/* and perf/* metrics: the rollouts' phases as their owners timed
+    them (the slowest owner; in its background thread when made ahead), the rest as this
+    rank's timer did."""
+    seconds = {**made.seconds, **timer.seconds}
+    return timing_metrics(seconds, tokens=step_tokens(made.scored))
 
 
 def _due(step: int, every: int, last: int, *, always_last: bool = False) -> bool:

@@ -38,8 +38,6 @@ def main(argv=None) -> int:
                         "FAIL: stale_layer or swapped_q_shards")  # fmt: skip
     args = parser.parse_args(argv)
 
-    import torch.distributed as dist
-
     from cwgrpo_megatron.checks.sync_check import (
         REALISTIC_STEP,
         Gap,
@@ -47,10 +45,11 @@ def main(argv=None) -> int:
         first_layers,
         run_check,
     )
+    from cwgrpo_megatron.comm import job_rank
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
 
     init_distributed()
-    rank = dist.get_rank()  # an in-process vLLM engine ends torch.distributed when it stops
+    rank = job_rank()  # an in-process vLLM engine ends torch.distributed when it stops
     try:
         with first_layers(args.hf_dir, args.num_layers) as hf_dir:
             report = run_check(

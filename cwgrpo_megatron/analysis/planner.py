@@ -63,19 +63,29 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
+
 from cwgrpo_megatron.comm.vocab_parallel import GPU_CHUNK_ELEMENTS
+from cwgrpo_megatron.config import (
+    OPTIMIZERS,
+    PARAM_DTYPES,
+    RECOMPUTE_GRANULARITIES,
+    split_problem,
+)
 from cwgrpo_megatron.convert.arch import ModelArch, divisors, padded_vocab_size
 from cwgrpo_megatron.rollout import engine_sleep_level
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.weight_sync.senders import BUFFER_BYTES, TRANSFER_BUCKET_BYTES
 
 GiB = 1 << 30
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = RECOMPUTE_GRANULARITIES
 SPECS = ("te", "local")
+"""The layer spec a plan assumes (the config does not choose it: Transformer Engine's where it
+is installed, Megatron's local one elsewhere); a planner input (`--spec`)."""
 PHASES = ("rollout", "old_logp", "train", "wake")
 """A step's phases on an engine's GPU, in the order they come."""
-OPTIMIZERS = ("adam", "sgd")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {name: getattr(torch, name).itemsize for name in PARAM_DTYPES}
+"""Bytes per element of each train.params_dtype (and engine dtype)."""
 RESERVE = 2 * GiB
 """Per GPU: CUDA context, NCCL buffers and allocator fragmentation (an estimate)."""
 SLEEP_RESIDUAL = 1 * GiB
@@ -451,7 +461,10 @@ class Cluster:
 
 @dataclass(kw_only=True, frozen=True)
 class Setting:
-    """What the plan reads from a run config, plus what the config does not hold yet."""
+    """What the plan reads from a run config (`from_config`), under the config's names or
+    resolved as the trainer resolves them on GPUs (seq_len, sleep_level, micro_batch_size
+    from a token budget). The search varies tp, pp, recompute and micro_batch_size; `spec`
+    is a planner input (the config does not choose the layer spec)."""
 
     tp: int
     pp: int
@@ -464,6 +477,9 @@ class Setting:
     seq_len: int = 4096
     """Tokens of a padded row: max prompt + max completion tokens."""
     sequences_per_step: int = 144
+    group_size: int = 6
+    token_budget: bool = False
+    """train.max_tokens_per_micro_batch is set: micro-batches of any row count."""
     rollout_sequences: int | None = None
     """Sequences of one generation round (train.gen_prompts_per_step x G with dynamic
     sampling); None: sequences_per_step."""
@@ -533,6 +549,8 @@ class Setting:
             micro_batch_size=mbs,
             seq_len=seq_len,
             sequences_per_step=t.sequences_per_step,
+            group_size=t.group_size,
+            token_budget=t.max_tokens_per_micro_batch is not None,
             rollout_sequences=t.prompts_per_round * t.group_size,
             mini_batches=t.ppo_mini_batches,
             recompute=t.recompute_granularity,
@@ -642,12 +660,15 @@ def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
             f"inside a node (tp <= {cluster.gpus_per_node})"
         )
     dp = cluster.world // (tp * pp)
-    prompts_rows = setting.sequences_per_step // setting.mini_batches
-    if prompts_rows % (dp * setting.micro_batch_size):
-        raise ValueError(
-            f"{prompts_rows} sequences per mini-batch do not split over dp={dp} ranks into "
-            f"micro-batches of {setting.micro_batch_size}"
-        )
+    problem = split_problem(
+        setting.sequences_per_step // setting.group_size,
+        dp=dp,
+        group_size=setting.group_size,
+        mini_batches=setting.mini_batches,
+        micro_batch_size=None if setting.token_budget else setting.micro_batch_size,
+    )
+    if problem:
+        raise ValueError(f"{problem} (the trainer refuses it: whole prompt groups per rank)")
     rtp = setting.rollout_tp
     if arch.num_kv_heads % rtp and rtp % arch.num_kv_heads:
         raise ValueError(

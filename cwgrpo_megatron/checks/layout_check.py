@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from cwgrpo_megatron.checks.symmetry import ChannelPermutation
 from cwgrpo_megatron.checks.tiny import tiny_qwen2
+from cwgrpo_megatron.comm import job_rank
 from cwgrpo_megatron.config import Config, load_config
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.data.batching import synthetic_batch
@@ -106,7 +107,7 @@ def layout_config(
         "algo.cov_scope=global",
         f"train.prompts_per_step={global_batch // group_size}",
         f"train.group_size={group_size}",
-        f"train.total_steps={steps * mini_batches}",
+        f"train.total_steps={steps}",
         f"train.ppo_mini_batches={mini_batches}",
         f"train.micro_batch_size={rows // micro_batches}",
         "train.temperature=1.0",
@@ -281,7 +282,7 @@ def _hf_snapshot(model, arch: ModelArch) -> dict[str, torch.Tensor] | None:
     rank 0 (None on every other rank)."""
     if not in_engine_group():
         return None
-    keep = dist.get_rank() == 0
+    keep = job_rank() == 0
     snap = {}
     for name, tensor in hf_weights(model, arch, dtype="float32"):
         if keep:

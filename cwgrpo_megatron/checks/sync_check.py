@@ -25,6 +25,7 @@ from cwgrpo_megatron.comm import (
     broadcast_from,
     broadcast_object,
     global_rank,
+    job_rank,
     world_group,
 )
 from cwgrpo_megatron.comm.collectives import barrier
@@ -62,7 +63,7 @@ def first_layers(hf_dir: str, num_layers: int | None) -> Iterator[str]:
     from cwgrpo_megatron.checks.truncate import truncate_checkpoint
 
     world = dist.group.WORLD
-    mine = tempfile.mkdtemp(prefix="cwgrpo-layers-") if dist.get_rank() == 0 else None
+    mine = tempfile.mkdtemp(prefix="cwgrpo-layers-") if job_rank() == 0 else None
     folder = broadcast_object(mine, 0, world)
     out = os.path.join(folder, f"first{num_layers}")
     local_first = os.environ.get("LOCAL_RANK", "0") == "0"
@@ -257,7 +258,7 @@ def run_check(
     actor, arch = tiny_actor(cfg, hf_dir=hf_dir)
     owns_engine = False
     try:
-        own = dist.get_rank() == ENGINE_RANK
+        own = job_rank() == ENGINE_RANK
         owns_engine = own and engine is None
         if owns_engine:
             engine = start_engine(
@@ -315,7 +316,7 @@ def _layer_tensors(model, arch) -> dict | None:
     """Rank 0's copy of the planted layer's HF tensors; a collective over the engine group."""
     if not in_engine_group():
         return None
-    keep, prefix = dist.get_rank() == ENGINE_RANK, _planted_layer(arch)
+    keep, prefix = job_rank() == ENGINE_RANK, _planted_layer(arch)
     out = {}
     for name, tensor in hf_weights(model, arch, dtype="float32"):
         if keep and name.startswith(prefix):

@@ -7,9 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
-from cwgrpo_megatron.comm import all_gather_objects, fail_together
+from cwgrpo_megatron.comm import all_gather_objects, fail_together, job_rank
 from cwgrpo_megatron.config import Config, ModelConfig
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.data.prompt_set import PromptSet, build_prompt_sets
@@ -35,7 +33,7 @@ class Inputs:
         """Every rank reads the same inputs (each node its own copy of model.path), and the
         ranks `evaluators` (the engines' owners) the benchmarks; a failure on any rank raises
         on all of them. One all_gather_object checks the architectures."""
-        rank0 = dist.get_rank() == 0
+        rank = job_rank()
         with fail_together("loading the tokenizer and the prompts", group):
             # a missing model folder, or one that is not model.arch, fails here, clearly
             arch = start_arch(cfg.model.path, recipe=cfg.model.arch)
@@ -43,10 +41,10 @@ class Inputs:
             fmt = prompt_format(cfg.model)
             train_set, heldout, report = build_prompt_sets(cfg.data, tokenizer, fmt)
             benchmarks = None
-            if dist.get_rank() in evaluators and cfg.eval.benchmarks:
+            if rank in evaluators and cfg.eval.benchmarks:
                 benchmarks = _benchmarks(cfg, heldout)
         _same_model_everywhere(arch, cfg.model.path, group)
-        if rank0:
+        if rank == 0:
             log.info(
                 "prompts: %d train, %d held out (%d rows read, %d skipped, %d too long)",
                 *(report.train, report.heldout, report.rows, report.skipped_rows),

@@ -9,11 +9,12 @@ Prompt j of round r of step k is sampled with `rollout_seed(train.seed, k, r * R
 prompts per round), whatever the layout, the number of replicas or the history, and each
 completion is scored once in the whole job, by the owner of the replica that sampled it.
 
-A step's rollouts come either now (`collect`: its rounds, each generated, scored and gathered),
-or ahead of it (`start` during the previous step, `Ahead.finish` after it, with
-rollout.async_steps = 1): the owners generate and score their share in a background thread,
-which makes no collective, while the trainer's thread trains; the one all-gather comes when
-the trainer's step is done. The engines run on devices of their own then
+One routine makes a round (`make`: this rank's share generated and scored, no collective);
+the one agreement and all-gather (`gather`) always run on the trainer's thread. A step's
+rollouts come either now (`collect`: its rounds, each made and gathered at once), or ahead of
+it (`start` during the previous step, `Ahead.finish` after it, with rollout.async_steps = 1):
+the owners make their share in a background thread while the trainer's thread trains, and
+the gather comes when the trainer's step is done. The engines run on devices of their own then
 (rollout.placement=separate; on CPU `build` binds them and the trainer to their cores).
 """
 
@@ -31,9 +32,15 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from cwgrpo_megatron.comm import all_gather_or_fail, fail_together, node_of_each_rank, world_group
+from cwgrpo_megatron.comm import (
+    all_gather_or_fail,
+    fail_together,
+    job_rank,
+    node_of_each_rank,
+    size_of,
+    world_group,
+)
 from cwgrpo_megatron.components.inputs import Inputs
 from cwgrpo_megatron.config import Config, TrainConfig
 from cwgrpo_megatron.data.dynamic_sampling import StepRounds
@@ -50,7 +57,7 @@ from cwgrpo_megatron.rollout import (
     engine_sleep_level,
     sampling_config,
 )
-from cwgrpo_megatron.rollout.base import RolloutGroup, SamplingConfig, rollout_seed
+from cwgrpo_megatron.rollout.base import SamplingConfig, rollout_seed
 from cwgrpo_megatron.rollout.placement import bind_process, split_cores
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.rollout.trace import TracedEngine
@@ -85,7 +92,14 @@ class StepRollouts:
     ahead, in the background."""
 
     def lag(self, step: int) -> int:
+        """Steps off the policy when trained at `step` (`rollout/policy_lag`)."""
         return step - 1 - self.policy_step
+
+
+def sampled_after(step: int, *, lag: int) -> int:
+    """The `policy_step` of step `step`'s rollouts made `lag` steps off the policy: 0 when made
+    at the step itself, rollout.async_steps when made ahead."""
+    return step - 1 - lag
 
 
 @dataclass
@@ -99,15 +113,27 @@ class Ahead:
     def finish(self) -> StepRollouts:
         """Wait for this rank's share, then one all-gather gives every rank the step's groups;
         a failure on any owner (a dead engine, a reward error) raises on every rank."""
-        pieces = all_gather_or_fail(
-            self.future.result, f"generating step {self.step}'s rollouts ahead", world_group()
+        scored, seconds = gather(
+            self.future.result, f"generating step {self.step}'s rollouts ahead"
         )
-        scored = sorted((g for groups, _ in pieces for g in groups), key=lambda g: g.position)
-        seconds = {
-            phase: max(times.get(phase, 0.0) for _, times in pieces)
-            for phase in ("rollout", "reward")
-        }
         return StepRollouts(scored=scored, policy_step=self.policy_step, seconds=seconds)
+
+
+Made = tuple[list[ScoredGroup], dict[str, float]]
+"""A rank's share of a round: its scored groups and the seconds of its phases ("rollout",
+"reward"); none on a rank without an engine."""
+
+
+def gather(make: Callable[[], Made], what: str) -> tuple[list[ScoredGroup], dict[str, float]]:
+    """Every rank's share (`make()` on this rank) on every rank, in prompt order, with the
+    slowest owner's seconds of each phase; a failure of `make` on any rank raises on every
+    rank (`what` names the phase). One all_gather_object over the world."""
+    pieces = all_gather_or_fail(make, what, world_group())
+    scored = sorted((g for groups, _ in pieces for g in groups), key=lambda g: g.position)
+    seconds = {
+        phase: max(times.get(phase, 0.0) for _, times in pieces) for phase in ("rollout", "reward")
+    }
+    return scored, seconds
 
 
 @dataclass(kw_only=True)
@@ -118,6 +144,8 @@ class Rollouts:
     sampler: PromptSampler
     """The step's prompt indices, the same on every rank; its position is checkpointed."""
     replicas: Replicas
+    rank: int
+    """This process's rank in the job."""
     engine: RolloutEngine | None
     reward: WeightedReward | None
     sleep_level: int
@@ -143,7 +171,7 @@ class Rollouts:
                 f"rollout.backend={cfg.rollout.backend} has no shared weight buffer, which "
                 f"{len(replicas.groups)} engine replicas need: set rollout.replicas=1 or use vllm"
             )
-        if dist.get_rank() == 0:
+        if job_rank() == 0:
             log.info(
                 "rollout: %d engine replicas (owners: ranks %s) on %d nodes",
                 len(replicas.owners),
@@ -171,45 +199,23 @@ class Rollouts:
         failure after either still releases it. The engine's model is checked against the
         trainer's on every node before step 1. With run.trace_engine the engine's calls go to
         the run folder's engine_calls.jsonl (`rollout.trace`)."""
-        engine_dir = cfg.model.path
-        if is_megatron_checkpoint(engine_dir):
-            engine_dir = export_hf(
-                actor.model,
-                inputs.arch,
-                run.hf,
-                side_files_from=engine_dir,
-                dtype=cfg.train.params_dtype,
-            )
-        replica = replicas.owned_by(dist.get_rank())
+        rank = job_rank()
+        replica = replicas.owned_by(rank)
+        engine_dir = _engine_dir(cfg, actor, inputs, run)
         engine = reward = None
         with fail_together("starting the rollout engines", group):
-            cores = _core_split(cfg.rollout, replicas)
+            cores = _core_split(cfg.rollout, replicas, rank)
             if replica is not None:
-                engine = build_engine(
-                    cfg.rollout,
-                    str(engine_dir),
-                    dtype=cfg.engine_dtype,
-                    seed=cfg.train.seed,
-                    devices=replicas.devices(replica),
-                    cpu_cores=cores.engine if cores else None,
-                )
+                engine = _start_engine(cfg, replicas, replica, engine_dir, cores)
                 engines.callback(engine.shutdown)
                 check_engine(engine, inputs.arch)
                 if cfg.run.trace_engine:
                     engine = TracedEngine(engine, run.engine_calls, replica=replica)
             if cores is not None:  # after the engines started: they inherit no trainer mask
-                bind_process(os.getpid(), cores.trainer)
-                torch.set_num_threads(min(torch.get_num_threads(), len(cores.trainer)))
-                log.info(
-                    "rollout.placement=separate: rank %d on cores %s%s",
-                    dist.get_rank(),
-                    cores.trainer,
-                    f", its engine on cores {cores.engine}" if engine is not None else "",
-                )
+                _bind_trainer(cores, rank, engine=engine is not None)
         if replica is not None:
-            reward = build_reward(
-                cfg.reward, workers=_reward_workers(replicas), max_tokens=cfg.rollout.max_tokens
-            )
+            workers = _reward_workers(replicas, rank)
+            reward = build_reward(cfg.reward, workers=workers, max_tokens=cfg.rollout.max_tokens)
             stack.callback(reward.close)
         return cls(
             rollout=cfg.rollout,
@@ -217,11 +223,12 @@ class Rollouts:
             inputs=inputs,
             sampler=PromptSampler(len(inputs.train_set), seed=cfg.data.seed),
             replicas=replicas,
+            rank=rank,
             engine=engine,
             reward=reward,
             sleep_level=engine_sleep_level(cfg.rollout, cuda=torch.cuda.is_available()),
             split_problem=functools.partial(
-                cfg.split_problem, dp=cfg.check_world(dist.get_world_size())
+                cfg.split_problem, dp=cfg.check_world(size_of(world_group()))
             ),
         )
 
@@ -243,53 +250,65 @@ class Rollouts:
             split_problem=self.split_problem,
         )
 
-    def collect(self, step: int, *, timer) -> StepRollouts:
+    @property
+    def sampling(self) -> SamplingConfig:
+        return sampling_config(self.rollout, temperature=self.train.temperature)
+
+    def collect(self, step: int) -> StepRollouts:
         """Steps 1-3 now, with the weights after step - 1: round after round (one without
-        dynamic sampling) of prompts drawn, generated and scored, until `rounds` has its
-        groups; timed as "rollout" and "reward"."""
-        rounds = self.rounds()
+        dynamic sampling) of prompts drawn, made and gathered, until `rounds` has its groups;
+        the slowest owner's seconds of generating ("rollout") and scoring ("reward"), summed
+        over the rounds."""
+        rounds, seconds = self.rounds(), {}
         while rounds.want_more():
             prompts = self.draw(step, rounds.drawn)
-            with timer("rollout"):
-                groups = self.generate(prompts)
-            with timer("reward"):
-                rounds.add(self.score(prompts, groups))
-        return StepRollouts(scored=rounds.batch(), policy_step=step - 1, metrics=rounds.metrics())
+            scored, took = gather(functools.partial(self.make, prompts), "making the rollouts")
+            rounds.add(scored)
+            for phase, value in took.items():
+                seconds[phase] = seconds.get(phase, 0.0) + value
+        return StepRollouts(
+            scored=rounds.batch(),
+            policy_step=sampled_after(step, lag=0),
+            metrics=rounds.metrics(),
+            seconds=seconds,
+        )
 
     def start(self, step: int) -> Ahead:
         """Steps 1-3 of `step` in the background during step - 1 (rollout.async_steps = 1;
         one round, no dynamic sampling), with the weights the engines hold: those after step
         - 2. The prompts are drawn here, on the calling thread, so the sampler moves as in a
-        synchronous run; a thread of this rank then generates and scores its share, and makes
-        no collective."""
+        synchronous run; a thread of this rank then makes its share (`make`, no collective)."""
         prompts = self.draw(step)
         # this thread's calls belong to `step`; the trainer's, meanwhile, to step - 1
         engine = self.engine.labeled(step) if isinstance(self.engine, TracedEngine) else self.engine
-        sampling = sampling_config(self.rollout, temperature=self.train.temperature)
-
-        def work() -> tuple[list[ScoredGroup], dict[str, float]]:
-            if not prompts.positions:
-                return [], {}
-            began = time.perf_counter()
-            groups = engine.generate(
-                prompts.token_ids, self.train.group_size, sampling, seeds=prompts.seeds
-            )
-            generated = time.perf_counter()
-            scored = score_groups(
-                prompts.positions,
-                prompts.problems,
-                groups,
-                tokenizer=self.inputs.tokenizer,
-                reward=self.reward,
-            )
-            seconds = {"rollout": generated - began, "reward": time.perf_counter() - generated}
-            return scored, seconds
-
         return Ahead(
             step=step,
-            policy_step=step - 2,
-            future=_in_background(work, name=f"cwgrpo-rollouts-step-{step}"),
+            policy_step=sampled_after(step, lag=self.rollout.async_steps),
+            future=_in_background(
+                functools.partial(self.make, prompts, engine), name=f"cwgrpo-rollouts-step-{step}"
+            ),
         )
+
+    def make(self, prompts: StepPrompts, engine: RolloutEngine | None = None) -> Made:
+        """Steps 2-3 of this rank's share of a round, with no collective: G completions of
+        each of its prompts from its engine (`engine`, default this rank's), scored in its
+        reward pool; nothing on a rank without prompts."""
+        if not prompts.positions:
+            return [], {}
+        engine = self.engine if engine is None else engine
+        began = time.perf_counter()
+        groups = engine.generate(
+            prompts.token_ids, self.train.group_size, self.sampling, seeds=prompts.seeds
+        )
+        generated = time.perf_counter()
+        scored = score_groups(
+            prompts.positions,
+            prompts.problems,
+            groups,
+            tokenizer=self.inputs.tokenizer,
+            reward=self.reward,
+        )
+        return scored, {"rollout": generated - began, "reward": time.perf_counter() - generated}
 
     def draw(self, step: int, round_index: int = 0) -> StepPrompts:
         """Step 1: the round's R prompts (train.prompts_per_round) that this rank's engine
@@ -298,7 +317,7 @@ class Rollouts:
         t, prompts = self.train, self.inputs.train_set
         count = t.prompts_per_round
         indices = self.sampler.next_indices(count)
-        replica = self.replicas.owned_by(dist.get_rank())
+        replica = self.replicas.owned_by(self.rank)
         shares = []
         if replica is not None:
             shares = list(self.replicas.share(replica, count))
@@ -310,50 +329,20 @@ class Rollouts:
             seeds=[rollout_seed(t.seed, step, p, t.group_size) for p in positions],
         )
 
-    def generate(self, prompts: StepPrompts) -> list[RolloutGroup]:
-        """Step 2: G completions of each of this rank's prompts from its engine; every rank
-        learns of a failure on any replica (one all_gather_object of a status), so none waits
-        for a replica whose engine is gone."""
-        with fail_together("generating the rollouts", world_group()):
-            if not prompts.positions:
-                return []
-            sampling = sampling_config(self.rollout, temperature=self.train.temperature)
-            return self.engine.generate(
-                prompts.token_ids, self.train.group_size, sampling, seeds=prompts.seeds
-            )
-
-    def score(self, prompts: StepPrompts, groups: list[RolloutGroup]) -> list[ScoredGroup]:
-        """Step 3: each owner scores its groups; one all-gather assembles the round's
-        `ScoredGroup`s on every rank, in prompt order."""
-
-        def mine():
-            if self.reward is None:
-                return []
-            return score_groups(
-                prompts.positions,
-                prompts.problems,
-                groups,
-                tokenizer=self.inputs.tokenizer,
-                reward=self.reward,
-            )
-
-        pieces = all_gather_or_fail(mine, "scoring the rollouts", world_group())
-        return sorted((g for piece in pieces for g in piece), key=lambda g: g.position)
-
     def evaluate(
         self, benchmarks: dict[str, list[Problem]] | None, *, n: int, sampling: SamplingConfig
     ) -> dict | None:
         """The benchmarks on every engine: their requests (`eval.runner.eval_requests`, in
         order) split over the replicas as a step's prompts are, each owner sampling and scoring
-        its share; one all-gather of the records. `eval_result`'s dict on rank 0, None
-        elsewhere. Each problem's seed goes with it, so the result equals a one-engine
-        evaluation's."""
-        replica, made = self.replicas.owned_by(dist.get_rank()), {}
+        its share; one all-gather of the records (and, from the first owner, the requests).
+        `eval_result`'s dict on rank 0, None elsewhere. Each problem's seed goes with it, so
+        the result equals a one-engine evaluation's."""
+        replica = self.replicas.owned_by(self.rank)
 
         def mine():
             if replica is None:
-                return []
-            made["requests"], made["skipped"] = eval_requests(
+                return None
+            requests, skipped = eval_requests(
                 benchmarks,
                 self.inputs.tokenizer,
                 n=n,
@@ -361,22 +350,25 @@ class Rollouts:
                 max_model_len=self.engine.max_model_len,
                 prompt_format=self.inputs.prompt_format,
             )
-            share = self.replicas.share(replica, len(made["requests"]))
-            return sample_requests(
+            share = self.replicas.share(replica, len(requests))
+            records = sample_requests(
                 self.engine,
                 self.inputs.tokenizer,
                 benchmarks,
-                made["requests"][share.start : share.stop],
+                requests[share.start : share.stop],
                 n=n,
                 sampling=sampling,
                 reward=self.reward.verifier,
             )
+            first = self.rank == self.replicas.owners[0]
+            return records, (requests, skipped) if first else None
 
         pieces = all_gather_or_fail(mine, "evaluating the benchmarks", world_group())
-        if dist.get_rank() != 0:
+        if self.rank != 0:
             return None
-        records = [group for owner in self.replicas.owners for group in pieces[owner]]
-        return eval_result(made["requests"], records, made["skipped"], n=n)
+        requests, skipped = pieces[self.replicas.owners[0]][1]
+        records = [group for owner in self.replicas.owners for group in pieces[owner][0]]
+        return eval_result(requests, records, skipped, n=n)
 
     # ---- the engines' memory (docs/design.md, section 4) ----------------------------------
 
@@ -395,7 +387,7 @@ class Rollouts:
         trainer's buffers are. Nothing at level 0."""
         if not self.sleep_level:
             return
-        on_engine_gpu = torch.cuda.is_available() and self.replicas.shares_gpu(dist.get_rank())
+        on_engine_gpu = torch.cuda.is_available() and self.replicas.shares_gpu(self.rank)
         if tag == "weights" and on_engine_gpu:
             torch.cuda.empty_cache()
         with fail_together(f"waking the rollout engines' {tag}", world_group()):
@@ -418,11 +410,54 @@ def _in_background(work: Callable, *, name: str) -> concurrent.futures.Future:
     return future
 
 
-def _core_split(cfg: RolloutConfig, replicas: Replicas):
+def _engine_dir(cfg: Config, actor: Actor, inputs: Inputs, run: RunDir) -> str:
+    """The checkpoint the engines start from: model.path, or a Megatron start checkpoint's HF
+    export in the run folder (a collective over the model-parallel groups)."""
+    if not is_megatron_checkpoint(cfg.model.path):
+        return str(cfg.model.path)
+    return str(
+        export_hf(
+            actor.model,
+            inputs.arch,
+            run.hf,
+            side_files_from=cfg.model.path,
+            dtype=cfg.train.params_dtype,
+        )
+    )
+
+
+def _start_engine(
+    cfg: Config, replicas: Replicas, replica: int, engine_dir: str, cores
+) -> RolloutEngine:
+    """Replica `replica`'s engine on this rank, on its devices (GPUs) or cores (`cores`, CPU
+    with separate placement)."""
+    return build_engine(
+        cfg.rollout,
+        engine_dir,
+        dtype=cfg.engine_dtype,
+        seed=cfg.train.seed,
+        devices=replicas.devices(replica),
+        cpu_cores=cores.engine if cores else None,
+    )
+
+
+def _bind_trainer(cores, rank: int, *, engine: bool) -> None:
+    """This rank's trainer on its cores (`placement.CoreSplit.trainer`), its torch threads
+    no more than them."""
+    bind_process(os.getpid(), cores.trainer)
+    torch.set_num_threads(min(torch.get_num_threads(), len(cores.trainer)))
+    log.info(
+        "rollout.placement=separate: rank %d on cores %s%s",
+        rank,
+        cores.trainer,
+        f", its engine on cores {cores.engine}" if engine else "",
+    )
+
+
+def _core_split(cfg: RolloutConfig, replicas: Replicas, rank: int):
     """This rank's `placement.CoreSplit` with separate placement on CPU; None otherwise."""
     if not cfg.separate or torch.cuda.is_available():
         return None
-    rank = dist.get_rank()
     owners = replicas.owners_on(replicas.nodes[rank])
     return split_cores(
         sorted(os.sched_getaffinity(0)),
@@ -443,7 +478,7 @@ def _check_separate_gpus(cfg: Config, replicas: Replicas) -> None:
             "rollout.placement=separate on GPUs needs rollout.gpus_per_node: how many GPUs of "
             "each node hold engines (torchrun starts one trainer rank per other GPU)"
         )
-    node = replicas.nodes[dist.get_rank()]
+    node = replicas.nodes[job_rank()]
     ranks = sum(1 for n in replicas.nodes if n == node)
     if ranks + r.gpus_per_node > torch.cuda.device_count():
         raise ValueError(
@@ -453,8 +488,8 @@ def _check_separate_gpus(cfg: Config, replicas: Replicas) -> None:
         )
 
 
-def _reward_workers(replicas: Replicas) -> int:
+def _reward_workers(replicas: Replicas, rank: int) -> int:
     """reward.workers = 0: this node's cores shared by the scoring ranks on it (the owners of
     its engine replicas)."""
-    node = replicas.nodes[dist.get_rank()]
+    node = replicas.nodes[rank]
     return max(1, (os.cpu_count() or 1) // len(replicas.owners_on(node)))

@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from cwgrpo_megatron.checks.sync_check import SyncVerifier
+from cwgrpo_megatron.comm import job_rank
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron.model import DTYPES, use_transformer_engine
@@ -46,7 +45,8 @@ class WeightSync:
         the verifier, calibrated now: trainer and engines both hold the start checkpoint."""
         plan = sync_plan(replicas)
         sender = weight_sender(plan, engine, arch, dtype=cfg.engine_dtype)
-        if dist.get_rank() == 0:
+        rank = job_rank()
+        if rank == 0:
             spec = use_transformer_engine()
             received = plan.received_bytes(arch, DTYPES[cfg.engine_dtype], te_spec=spec)
             log.info("weight sync path: %s", sender.path)
@@ -58,7 +58,7 @@ class WeightSync:
         if cfg.run.verify_sync:
             verifier = SyncVerifier(min_tol=cfg.run.verify_sync_tol)
             gap = verifier.calibrate(model, arch, engine)
-            if dist.get_rank() == 0:
+            if rank == 0:
                 tol = verifier.tol
                 log.info(
                     "sync check: start gap %.2e (mean %.2e), tolerance %.2e (mean %.2e)",

@@ -149,7 +149,7 @@ def build_actor(
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.no_sync_func = ddp.no_sync
     model.config.grad_scale_func = optimizer.scale_loss
-    o, total = optim, train.total_steps
+    o, total = optim, train.optimizer_steps
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if o.warmup_ratio > 0 else o.lr,

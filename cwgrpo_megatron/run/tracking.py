@@ -58,9 +58,8 @@ class Tracker:
             self.tb = SummaryWriter(str(run.tb), purge_step=start_step + 1)
         if cfg.logging.wandb_mode != "disabled":
             self.wandb = _start_wandb(cfg, run)
-        self.bar = tqdm(
-            total=cfg.rollout_steps, initial=start_step, desc="training", unit="step", leave=True
-        )
+        total = cfg.train.total_steps
+        self.bar = tqdm(total=total, initial=start_step, desc="training", unit="step", leave=True)
 
     def log(
         self,

@@ -81,7 +81,7 @@ def check_weight_sync(smollm2, procs: int, *args: str) -> tuple[int, str]:
 def test_check_weight_sync_passes_smollm2(smollm2, procs, layout):
     code, log = check_weight_sync(smollm2, procs, *layout)
     assert code == 0, log
-    assert "OK: max |dlogp|" in log and "via shared (in_place)" in log
+    assert "OK: max |dlogp|" in log and "via shm (in_place)" in log
 
 
 @pytest.mark.parametrize("plant", ["stale_layer", "swapped_q_shards"])

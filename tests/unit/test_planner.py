@@ -309,8 +309,9 @@ def test_72b_does_not_fit_without_model_parallelism(capsys):
         "--json",
         "parallel.tp=1",
         "parallel.pp=1",
+        "train.prompts_per_step=16",  # one node: dp = 8 takes 2 of the 16 prompt groups each
     )
-    plan = json.loads(out)  # one node: dp = 8 splits the 144 sequences
+    plan = json.loads(out)
     assert code == 1 and not plan["per_gpu"]["fits"]
     # parameters and fp32 gradients alone are 6 bytes a parameter: 406 GiB on one GPU
     assert plan["per_gpu"]["params"] + plan["per_gpu"]["grads"] > 6 * 72e9

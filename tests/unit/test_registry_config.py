@@ -96,11 +96,6 @@ def test_an_algorithm_file_overlays_a_recipe_and_changes_its_algorithm_alone(rec
             "data.max_prompt_tokens, or raise rollout.max_model_len",
             id="prompt-plus-completion",
         ),
-        pytest.param(
-            ["train.total_steps=5", "train.ppo_mini_batches=2", "train.prompts_per_step=12"],
-            "must be a multiple of train.ppo_mini_batches=2",
-            id="steps-vs-mini-batches",
-        ),
         pytest.param(["eval.benchmarks=[heldout]"], "data.heldout_size=0", id="heldout-empty"),
         pytest.param(
             ["eval.benchmarks=[gsm8k]"],
@@ -159,9 +154,15 @@ def test_later_config_files_win_key_by_key(tmp_path):
         load_config(tmp_path / "broken.yaml")
 
 
+def test_total_steps_counts_training_steps_and_the_schedule_their_optimizer_steps():
+    overrides = ["train.total_steps=5", "train.ppo_mini_batches=2", "train.prompts_per_step=12"]
+    train = load_config(overrides=overrides).train
+    assert (train.total_steps, train.optimizer_steps) == (5, 10)
+
+
 def test_batch_algebra_names_the_fix():
     cfg = load_config(overrides=["train.prompts_per_step=6", "train.group_size=2"])
-    assert cfg.check_world(2) == 2 and cfg.rollout_steps == cfg.train.total_steps
+    assert cfg.check_world(2) == 2 and cfg.train.optimizer_steps == cfg.train.total_steps
     with pytest.raises(ValueError, match="split over dp=4 ranks: fit train.prompts_per_step"):
         cfg.check_world(4)
     with pytest.raises(ValueError, match="not a multiple of tp x pp = 2"):
