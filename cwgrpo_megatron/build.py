@@ -19,8 +19,6 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch.distributed as dist
-
 from cwgrpo_megatron.comm import (
     all_gather_objects,
     all_gather_or_fail,
@@ -29,6 +27,7 @@ from cwgrpo_megatron.comm import (
     job_rank,
     node_of_each_rank,
     open_control_group,
+    size_of,
     world_group,
 )
 from cwgrpo_megatron.common.settings import check_length
@@ -62,9 +61,9 @@ def build_trainer(cfg: Config, *, sources: Sequence[str] = ()) -> Trainer:
     is built; a failure releases what was built, and the Trainer's `close` releases the rest,
     in one order: metric sinks, reward workers, Megatron's groups, then the engines (an
     in-process vLLM engine ends torch.distributed)."""
-    group = world_group()
-    cfg.check_world(dist.get_world_size())
-    open_control_group(cfg.run.collective_timeout_min)  # the agreements' waits: gloo, bounded
+    cfg.check_world(size_of(world_group()))
+    # every agreement and object collective of the run goes over this gloo group, bounded
+    group = open_control_group(cfg.run.collective_timeout_min)
     replicas = Rollouts.place(cfg, group)
     with fail_together("preparing the run folder", group):
         run = (
@@ -76,14 +75,16 @@ def build_trainer(cfg: Config, *, sources: Sequence[str] = ()) -> Trainer:
     inputs = Inputs.read(cfg, group, evaluators=replicas.owners)
     with contextlib.ExitStack() as stack:
         engines = stack.enter_context(contextlib.ExitStack())  # entered first: released last
-        stack.callback(close_control_group)  # after Megatron's groups, before the engines
+        stack.callback(close_control_group, group)  # after Megatron's groups, before the engines
         parallel.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.train.seed)
         stack.callback(parallel.destroy)
         actor = _build_actor(cfg, inputs.arch, group)
         rollouts = Rollouts.build(
             cfg, replicas, inputs, actor, run, group, engines=engines, stack=stack
         )
-        sync = WeightSync.build(cfg, replicas, actor.model, inputs.arch, rollouts.engine)
+        sync = WeightSync.build(
+            cfg, replicas, actor.model, inputs.arch, rollouts.engine, control=group
+        )
         state = LoopState(step=0, sampler=rollouts.sampler)
         saved_line = _resume(cfg, run, actor, state, group)
         rollouts.at_step(state.step)
@@ -102,6 +103,7 @@ def build_trainer(cfg: Config, *, sources: Sequence[str] = ()) -> Trainer:
             run=run,
             state=state,
             tracker=tracker,
+            control=group,
             resources=stack.pop_all(),
         )
 

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from cwgrpo_megatron.algo.advantages import get_advantage_estimator
-from cwgrpo_megatron.comm import fail_together, world_group
+from cwgrpo_megatron.comm import fail_together
+from cwgrpo_megatron.comm.collectives import Group
 from cwgrpo_megatron.common.files import write_atomic
 from cwgrpo_megatron.common.timing import PhaseTimer
 from cwgrpo_megatron.config import Config
@@ -106,6 +107,8 @@ class Trainer:
     run: RunDir
     state: LoopState
     tracker: Tracker
+    control: Group
+    """The job's control group (`comm.open_control_group`): its agreements go over it."""
     resources: contextlib.ExitStack
     """The releases of what the parts hold, registered as `build_trainer` built them."""
 
@@ -196,7 +199,7 @@ class Trainer:
             seed=e.seed,
         )
         result = self.rollouts.evaluate(self.inputs.benchmarks, n=e.n, sampling=sampling)
-        with fail_together("writing the evaluation", world_group()):
+        with fail_together("writing the evaluation", self.control):
             if result is not None:
                 write_json(result, self.run.eval(step))
                 for bench, summary in result["summary"].items():

@@ -9,6 +9,7 @@ import datetime
 import os
 import re
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -100,58 +101,51 @@ def all_gather(t: Tensor, group: Group) -> list[Tensor]:
     return parts
 
 
-_CONTROL: dict = {}
-"""The control group of `open_control_group`: {"world": the WORLD it was made for, "group",
-"minutes"}; a WORLD made later (a new process group) does not use it."""
+_CONTROL_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each control group (`open_control_group`) -> (its timeout in minutes, the WORLD it was made
+in): what its timeout error names, and whether it still exists to be destroyed."""
 
 
 class CollectiveTimeout(RuntimeError):
     """A peer did not reach an object collective in time."""
 
 
-def open_control_group(minutes: float) -> None:
-    """From now on, object collectives over the whole job (`all_gather_objects`, and so
-    `fail_together` and `all_gather_or_fail`) go over a gloo group of every process with a
-    timeout of `minutes`, whatever the world's backend: on NCCL they would hold GPU memory and
-    time out after NCCL's own default while a rank evaluates. Collective: every process calls
-    it. Nothing happens in a one-process job."""
+def open_control_group(minutes: float) -> Group:
+    """A gloo group of every process of the job with a timeout of `minutes`, for the job's
+    object collectives (`all_gather_objects`, and so `fail_together` and
+    `all_gather_or_fail`): over NCCL they would hold GPU memory and time out after NCCL's own
+    default while a rank evaluates. The caller passes it as their `group`; past the timeout
+    they raise `CollectiveTimeout`. Collective: every process calls it. None (this process
+    alone) in a one-process job."""
     if world_group() is None:
-        return
-    close_control_group()
-    timeout = datetime.timedelta(minutes=minutes)
-    group = dist.new_group(backend="gloo", timeout=timeout)
-    _CONTROL.update(world=dist.group.WORLD, group=group, minutes=minutes)
-
-
-def close_control_group() -> None:
-    group = _CONTROL.pop("group", None)
-    world = _CONTROL.pop("world", None)
-    _CONTROL.pop("minutes", None)
-    if group is not None and dist.is_initialized() and world is dist.group.WORLD:
-        dist.destroy_process_group(group)
-
-
-def _object_group(group: Group) -> Group:
-    if group is not None and group is _CONTROL.get("world") is dist.group.WORLD:
-        return _CONTROL["group"]
+        return None
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=minutes))
+    _CONTROL_GROUPS[group] = (minutes, dist.group.WORLD)
     return group
 
 
+def close_control_group(group: Group) -> None:
+    """Destroy `group` (an `open_control_group`'s), unless the world it was made in is gone."""
+    made = _CONTROL_GROUPS.pop(group, None) if group is not None else None
+    if made is not None and dist.is_initialized() and made[1] is dist.group.WORLD:
+        dist.destroy_process_group(group)
+
+
 def all_gather_objects(obj, group: Group) -> list:
-    """Every rank's picklable `obj`, in group-rank order, on every rank of `group` (over the
-    control group for the whole job, once `open_control_group` has run)."""
+    """Every rank's picklable `obj`, in group-rank order, on every rank of `group`; a control
+    group's timeout (`open_control_group`) raises CollectiveTimeout."""
     if group is None or size_of(group) == 1:
         return [obj]
     out = [None] * size_of(group)
-    target = _object_group(group)
     try:
-        dist.all_gather_object(out, obj, group=target)
+        dist.all_gather_object(out, obj, group=group)
     except RuntimeError as err:
-        if target is group or not re.search(r"[Tt]imed? ?out", str(err)):
+        control = _CONTROL_GROUPS.get(group)
+        if control is None or not re.search(r"[Tt]imed? ?out", str(err)):
             raise
         raise CollectiveTimeout(
             f"a peer did not reach this point within run.collective_timeout_min="
-            f"{_CONTROL['minutes']} minutes ({type(err).__name__}): raise it if a phase on "
+            f"{control[0]} minutes ({type(err).__name__}): raise it if a phase on "
             "some ranks legitimately takes longer (a large evaluation); otherwise the other "
             "ranks' logs say which one stopped"
         ) from err

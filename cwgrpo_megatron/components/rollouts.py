@@ -41,6 +41,7 @@ from cwgrpo_megatron.comm import (
     size_of,
     world_group,
 )
+from cwgrpo_megatron.comm.collectives import Group
 from cwgrpo_megatron.components.inputs import Inputs
 from cwgrpo_megatron.config import Config, TrainConfig
 from cwgrpo_megatron.data.dynamic_sampling import StepRounds
@@ -109,13 +110,14 @@ class Ahead:
     step: int
     policy_step: int
     future: concurrent.futures.Future
+    group: Group = field(default_factory=world_group)
+    """Where the step is gathered: the run's control group."""
 
     def finish(self) -> StepRollouts:
         """Wait for this rank's share, then one all-gather gives every rank the step's groups;
         a failure on any owner (a dead engine, a reward error) raises on every rank."""
-        scored, seconds = gather(
-            self.future.result, f"generating step {self.step}'s rollouts ahead"
-        )
+        what = f"generating step {self.step}'s rollouts ahead"
+        scored, seconds = gather(self.future.result, what, self.group)
         return StepRollouts(scored=scored, policy_step=self.policy_step, seconds=seconds)
 
 
@@ -124,11 +126,13 @@ Made = tuple[list[ScoredGroup], dict[str, float]]
 "reward"); none on a rank without an engine."""
 
 
-def gather(make: Callable[[], Made], what: str) -> tuple[list[ScoredGroup], dict[str, float]]:
-    """Every rank's share (`make()` on this rank) on every rank, in prompt order, with the
-    slowest owner's seconds of each phase; a failure of `make` on any rank raises on every
-    rank (`what` names the phase). One all_gather_object over the world."""
-    pieces = all_gather_or_fail(make, what, world_group())
+def gather(
+    make: Callable[[], Made], what: str, group: Group
+) -> tuple[list[ScoredGroup], dict[str, float]]:
+    """Every rank's share (`make()` on this rank) on every rank of `group` (the whole job), in
+    prompt order, with the slowest owner's seconds of each phase; a failure of `make` on any
+    rank raises on every rank (`what` names the phase). One all_gather_object."""
+    pieces = all_gather_or_fail(make, what, group)
     scored = sorted((g for groups, _ in pieces for g in groups), key=lambda g: g.position)
     seconds = {
         phase: max(times.get(phase, 0.0) for _, times in pieces) for phase in ("rollout", "reward")
@@ -146,6 +150,8 @@ class Rollouts:
     replicas: Replicas
     rank: int
     """This process's rank in the job."""
+    control: Group
+    """The job's control group (`comm.open_control_group`): the agreements and gathers."""
     engine: RolloutEngine | None
     reward: WeightedReward | None
     sleep_level: int
@@ -224,6 +230,7 @@ class Rollouts:
             sampler=PromptSampler(len(inputs.train_set), seed=cfg.data.seed),
             replicas=replicas,
             rank=rank,
+            control=group,
             engine=engine,
             reward=reward,
             sleep_level=engine_sleep_level(cfg.rollout, cuda=torch.cuda.is_available()),
@@ -262,7 +269,9 @@ class Rollouts:
         rounds, seconds = self.rounds(), {}
         while rounds.want_more():
             prompts = self.draw(step, rounds.drawn)
-            scored, took = gather(functools.partial(self.make, prompts), "making the rollouts")
+            scored, took = gather(
+                functools.partial(self.make, prompts), "making the rollouts", self.control
+            )
             rounds.add(scored)
             for phase, value in took.items():
                 seconds[phase] = seconds.get(phase, 0.0) + value
@@ -287,6 +296,7 @@ class Rollouts:
             future=_in_background(
                 functools.partial(self.make, prompts, engine), name=f"cwgrpo-rollouts-step-{step}"
             ),
+            group=self.control,
         )
 
     def make(self, prompts: StepPrompts, engine: RolloutEngine | None = None) -> Made:
@@ -363,7 +373,7 @@ class Rollouts:
             first = self.rank == self.replicas.owners[0]
             return records, (requests, skipped) if first else None
 
-        pieces = all_gather_or_fail(mine, "evaluating the benchmarks", world_group())
+        pieces = all_gather_or_fail(mine, "evaluating the benchmarks", self.control)
         if self.rank != 0:
             return None
         requests, skipped = pieces[self.replicas.owners[0]][1]
@@ -376,7 +386,7 @@ class Rollouts:
         """After the rollouts: each engine frees its GPU memory at rollout.sleep_level for
         the trainer's phases (nothing at level 0)."""
         if self.sleep_level:
-            with fail_together("putting the rollout engines to sleep", world_group()):
+            with fail_together("putting the rollout engines to sleep", self.control):
                 if self.engine is not None:
                     self.engine.sleep(self.sleep_level)
 
@@ -390,7 +400,7 @@ class Rollouts:
         on_engine_gpu = torch.cuda.is_available() and self.replicas.shares_gpu(self.rank)
         if tag == "weights" and on_engine_gpu:
             torch.cuda.empty_cache()
-        with fail_together(f"waking the rollout engines' {tag}", world_group()):
+        with fail_together(f"waking the rollout engines' {tag}", self.control):
             if self.engine is not None:
                 self.engine.wake([tag])
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from cwgrpo_megatron.checks.sync_check import SyncVerifier
 from cwgrpo_megatron.comm import job_rank
+from cwgrpo_megatron.comm.collectives import Group
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron.model import DTYPES, use_transformer_engine
@@ -38,13 +39,21 @@ class WeightSync:
 
     @classmethod
     def build(
-        cls, cfg: Config, replicas: Replicas, model, arch: ModelArch, engine: RolloutEngine | None
+        cls,
+        cfg: Config,
+        replicas: Replicas,
+        model,
+        arch: ModelArch,
+        engine: RolloutEngine | None,
+        *,
+        control: Group,
     ) -> WeightSync:
         """The plan (one all_gather_object of every rank's shard), the sender of the engines'
-        weight path (one more, of the owners' offers) and, when run.verify_sync asks for one,
-        the verifier, calibrated now: trainer and engines both hold the start checkpoint."""
-        plan = sync_plan(replicas)
-        sender = weight_sender(plan, engine, arch, dtype=cfg.engine_dtype)
+        weight path (one more, of the owners' offers), both over the job's control group
+        `control`, and, when run.verify_sync asks for one, the verifier, calibrated now:
+        trainer and engines both hold the start checkpoint."""
+        plan = sync_plan(replicas, control=control)
+        sender = weight_sender(plan, engine, arch, dtype=cfg.engine_dtype, control=control)
         rank = job_rank()
         if rank == 0:
             spec = use_transformer_engine()

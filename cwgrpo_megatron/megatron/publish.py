@@ -24,6 +24,7 @@ from cwgrpo_megatron.comm import (
     vocab_parallel_logprob_entropy,
     world_group,
 )
+from cwgrpo_megatron.comm.collectives import Group
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron.forward import forward_logits
 from cwgrpo_megatron.megatron.model import DTYPES, unwrap, use_transformer_engine
@@ -95,21 +96,29 @@ class MegatronExport:
         return _hf_tensors(model, self.arch, self.dtype)
 
 
-def sync_plan(replicas: Replicas) -> SyncPlan:
-    """The sync plan of this job's layout; one all_gather_object of every rank's shard."""
+def sync_plan(replicas: Replicas, *, control: Group = None) -> SyncPlan:
+    """The sync plan of this job's layout; one all_gather_object of every rank's shard over
+    `control` (the job's control group; None: the world)."""
     here = Place(
         stage=parallel_state.get_pipeline_model_parallel_rank(),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
     )
-    return SyncPlan.build(replicas, all_gather_objects(here, world_group()))
+    return SyncPlan.build(replicas, all_gather_objects(here, control or world_group()))
 
 
 def weight_sender(
-    plan: SyncPlan, engine: WeightReceiver | None, arch: ModelArch, *, dtype: str
+    plan: SyncPlan,
+    engine: WeightReceiver | None,
+    arch: ModelArch,
+    *,
+    dtype: str,
+    control: Group = None,
 ) -> Sender:
     """The sender of this job's weight path (`weight_sync.senders.build_sender`) for a model
-    of `arch` synced in `dtype`; every rank calls it, the replica owners with their engine."""
-    return build_sender(plan, engine, MegatronExport.of(arch, dtype), group=world_group())
+    of `arch` synced in `dtype`; every rank calls it, the replica owners with their engine.
+    Its agreements go over `control` (the job's control group; None: the world)."""
+    export, world = MegatronExport.of(arch, dtype), world_group()
+    return build_sender(plan, engine, export, group=world, control=control or world)
 
 
 def sync_weights(

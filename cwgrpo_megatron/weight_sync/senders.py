@@ -1,7 +1,7 @@
 """The trainer's side of each weight path (`weight_sync.names`), resolved once, when the run is
 built, into a sender with one `send(model, engine)`:
 
-    sender = build_sender(plan, engine, export, group=world)  # every rank, once
+    sender = build_sender(plan, engine, export, group=world, control=control)  # every rank, once
     result = sender.send(model, engine)                        # every rank, every sync
 
 `build_sender` asks each replica's owner how its engine takes weights (its `sync_path`, and
@@ -112,13 +112,16 @@ class _Loads:
     plan: SyncPlan
     export: ModelExport
     group: Group
+    """The world: the shm path's barrier."""
+    control: Group
+    """The job's control group (`comm.open_control_group`): the agreements."""
     rank: int
 
     def _loaded(self, load: Callable[[], int], engine: WeightReceiver | None) -> SyncResult:
         """Run `load` (the bytes this rank received) on every rank, agree on its outcome, and
         sum the bytes received by node."""
         outcomes = all_gather_or_fail(
-            load, "loading the weights into the rollout engines", self.group
+            load, "loading the weights into the rollout engines", self.control
         )
         replicas = self.plan.replicas
         by_node = {replicas.nodes[o]: 0 for o in replicas.owners}
@@ -196,15 +199,21 @@ class StreamSender(_Loads):
 
 
 def build_sender(
-    plan: SyncPlan, engine: WeightReceiver | None, export: ModelExport, *, group: Group
+    plan: SyncPlan,
+    engine: WeightReceiver | None,
+    export: ModelExport,
+    *,
+    group: Group,
+    control: Group,
 ) -> Sender:
     """The sender of this job's weight path; every rank of `group` (the world) calls it, the
-    replica owners with their engine. ValueError on every rank when an owner's engine holds
-    another model, cannot make its buffer, or the engines take different paths, and when a
-    rank cannot see its node's buffers.
+    replica owners with their engine; its agreements go over `control` (the job's control
+    group, or the world). ValueError on every rank when an owner's engine holds another
+    model, cannot make its buffer, or the engines take different paths, and when a rank
+    cannot see its node's buffers.
 
-    Communication: one all_gather_object over `group` (the owners' offers); on the shm path
-    one more, of whether each rank sees its node's buffers."""
+    Communication: one all_gather_object over `control` (the owners' offers); on the shm
+    path one more, of whether each rank sees its node's buffers."""
     rank, replicas = rank_in(group), plan.replicas
     if (engine is not None) != (replicas.owned_by(rank) is not None):
         raise ValueError(
@@ -213,7 +222,7 @@ def build_sender(
     offers = all_gather_or_fail(
         lambda: _offer(engine, export, direct=not plan.transfers),
         "preparing the weight sync",
-        group,
+        control,
     )
     owned = [offers[o] for o in replicas.owners]
     paths = sorted({o.path for o in owned})
@@ -222,11 +231,11 @@ def build_sender(
             f"the rollout engines take their weights in different ways ({', '.join(paths)}): "
             "set rollout.weight_sync and rollout.placement alike on every node"
         )
-    common = dict(plan=plan, export=export, group=group, rank=rank)
+    common = dict(plan=plan, export=export, group=group, control=control, rank=rank)
     path = paths[0]
     if path == "shm":
         mine = [offers[o].buffer for o in replicas.owners_on(replicas.nodes[rank])]
-        with fail_together("reaching the engines' weight buffers", group):
+        with fail_together("reaching the engines' weight buffers", control):
             for buffer in mine:
                 if not buffer.visible():
                     raise ValueError(

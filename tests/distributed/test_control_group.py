@@ -1,4 +1,4 @@
-"""Object collectives over the whole job go over a gloo group with run.collective_timeout_min:
+"""Object collectives over the job's control group, a gloo group with run.collective_timeout_min:
 a rank that never arrives stops the others with an error naming the key, instead of a hang
 or NCCL's own timeout (gloo, 2 processes)."""
 
@@ -13,19 +13,18 @@ def _one_rank_late(rank, world, minutes, late_s):
         close_control_group,
         fail_together,
         open_control_group,
-        world_group,
     )
 
-    open_control_group(minutes)
+    control = open_control_group(minutes)
     try:
-        with fail_together("a phase", world_group()):
+        with fail_together("a phase", control):
             pass  # this rank's phase is done at once
         agreed = "agreed"
         started = time.monotonic()
         if rank == 1:
             time.sleep(late_s)  # the other rank's phase outlasts the timeout
         try:
-            with fail_together("the next phase", world_group()):
+            with fail_together("the next phase", control):
                 pass
             return {"outcome": "agreed twice", "first": agreed}
         except CollectiveTimeout as err:
@@ -33,7 +32,7 @@ def _one_rank_late(rank, world, minutes, late_s):
         except RuntimeError as err:  # the late rank finds its peer gone
             return {"outcome": f"{type(err).__name__}: {err}"}
     finally:
-        close_control_group()
+        close_control_group(control)
 
 
 def test_a_rank_that_does_not_arrive_is_a_timeout_that_names_the_key():
