@@ -63,7 +63,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from cwgrpo_megatron.build import build_trainer
-    from cwgrpo_megatron.comm import all_gather_or_fail, world_group
+    from cwgrpo_megatron.comm import all_gather_or_fail
     from cwgrpo_megatron.components.rollouts import gather
     from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
@@ -92,12 +92,12 @@ def worker(args) -> None:
     rank, rows = dist.get_rank(), []
     try:
         trainer = build_trainer(load_config(overrides=overrides))
-        world = world_group()
         try:
             for step in range(1, args.warmup + args.steps + 1):
                 rollouts, weights = trainer.rollouts, trainer.sync
                 prompts = rollouts.draw(step)
-                scored, seconds = gather(functools.partial(rollouts.make, prompts), "timing")
+                make = functools.partial(rollouts.make, prompts)
+                scored, seconds = gather(make, "timing", rollouts.control)
                 rollout = seconds["rollout"]  # the slowest replica's generation
                 start = time.perf_counter()
                 pushed = weights.push(trainer.actor.model, rollouts.engine)
@@ -107,7 +107,7 @@ def worker(args) -> None:
                 # the loop's cross-replica collective again, alone, with this step's payload
                 mine = [g for g in scored if g.position in prompts.positions]
                 start = time.perf_counter()
-                all_gather_or_fail(lambda mine=mine: mine, "timing", world)
+                all_gather_or_fail(lambda mine=mine: mine, "timing", rollouts.control)
                 collectives = time.perf_counter() - start
                 rows.append(
                     dict(
