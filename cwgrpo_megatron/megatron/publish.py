@@ -103,7 +103,8 @@ def sync_plan(replicas: Replicas, *, control: Group = None) -> SyncPlan:
         stage=parallel_state.get_pipeline_model_parallel_rank(),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
     )
-    return SyncPlan.build(replicas, all_gather_objects(here, control or world_group()))
+    group = world_group() if control is None else control
+    return SyncPlan.build(replicas, all_gather_objects(here, group))
 
 
 def weight_sender(
@@ -118,7 +119,8 @@ def weight_sender(
     of `arch` synced in `dtype`; every rank calls it, the replica owners with their engine.
     Its agreements go over `control` (the job's control group; None: the world)."""
     export, world = MegatronExport.of(arch, dtype), world_group()
-    return build_sender(plan, engine, export, group=world, control=control or world)
+    control = world if control is None else control
+    return build_sender(plan, engine, export, group=world, control=control)
 
 
 def sync_weights(

@@ -47,6 +47,7 @@ from cwgrpo_megatron.rollout.base import (
 )
 from cwgrpo_megatron.rollout.vllm_weights import VLLMWeights, engine_sync_path
 from cwgrpo_megatron.weight_sync import shm
+from cwgrpo_megatron.weight_sync.names import TRANSFER_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class VLLMEngine(VLLMWeights, EngineBase):
         self.sync_path = engine_sync_path(
             weight_sync, in_process=self.in_process, devices=self.devices
         )
-        if self.sync_path in ("ipc", "nccl"):
+        if self.sync_path in TRANSFER_PATHS:
             self._engine_args["weight_transfer_config"] = {"backend": self.sync_path}
         self.sleep_mode = self._engine_args["enable_sleep_mode"]
         self._finalizer = None
