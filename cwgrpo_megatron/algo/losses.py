@@ -130,7 +130,7 @@ class PolicyLoss:
             if cfg.tis_cap is not None:
                 tis = truncated_is_weight(batch.old_logp, batch.rollout_logp, cfg.tis_cap)
                 per_token = per_token * tis
-                metrics["tis_weight_mean"] = mean_metric(tis, batch.mask, count)
+                metrics["actor/tis_weight_mean"] = mean_metric(tis, batch.mask, count)
         elif cfg.tis_cap is not None:
             raise ValueError("algo.tis_cap is set but the batch has no rollout log-probs")
         if cfg.kl_beta > 0:
@@ -144,10 +144,10 @@ class PolicyLoss:
                 kl_clamp=cfg.kl_clamp,
             )
             per_token = per_token + cfg.kl_beta * kl
-            metrics["kl_mean"] = mean_metric(kl, batch.mask, count)
+            metrics["actor/kl"] = mean_metric(kl, batch.mask, count)
         if batch.entropy is not None:
-            metrics["entropy_mean"] = mean_metric(batch.entropy, batch.mask, count)
-        metrics["ratio_mean"] = mean_metric(ratio, batch.mask, count)
+            metrics["actor/entropy"] = mean_metric(batch.entropy, batch.mask, count)
+        metrics["actor/ratio_mean"] = mean_metric(ratio, batch.mask, count)
         aggregate = get_loss_aggregation(cfg.loss_agg)
         loss_sum, count = aggregate(per_token, batch.mask, norm_length=cfg.loss_norm_length)
         return LossOutput(loss_sum, count, metrics)
@@ -191,9 +191,10 @@ def clipped_surrogate(batch: PolicyBatch, adv: Tensor, cfg: AlgoConfig) -> Surro
     """x = -min(rho adv, clip(rho, 1-eps_low, 1+eps_high) adv), then x = min(x, -C adv) where
     adv < 0 with dual-clip (C = clip_ratio_c); all `[b, s]`.
 
-    Metrics are shares of all counted tokens where a clip cuts the gradient: `clip_frac_high`
-    (adv > 0, rho > 1 + eps_high), `clip_frac_low` (adv < 0, rho < 1 - eps_low) and, with
-    dual-clip, `clip_frac_dual` (adv < 0, rho > C; verl's pg_clipfrac_lower).
+    Metrics are shares of all counted tokens where a clip cuts the gradient:
+    `actor/clip_frac_high` (adv > 0, rho > 1 + eps_high), `actor/clip_frac_low` (adv < 0,
+    rho < 1 - eps_low) and, with dual-clip, `actor/clip_frac_dual` (adv < 0, rho > C; verl's
+    pg_clipfrac_lower).
     """
     ratio = policy_ratio(batch.logp, batch.old_logp, cfg)
     per_token = -torch.minimum(
@@ -202,12 +203,12 @@ def clipped_surrogate(batch: PolicyBatch, adv: Tensor, cfg: AlgoConfig) -> Surro
     ppo, dual = clip_cuts(ratio.detach(), adv, cfg)
     count = batch.mask.to(torch.float64).sum()
     metrics = {
-        "clip_frac_high": mean_metric((ppo & (adv > 0)).to(adv.dtype), batch.mask, count),
-        "clip_frac_low": mean_metric((ppo & (adv < 0)).to(adv.dtype), batch.mask, count),
+        "actor/clip_frac_high": mean_metric((ppo & (adv > 0)).to(adv.dtype), batch.mask, count),
+        "actor/clip_frac_low": mean_metric((ppo & (adv < 0)).to(adv.dtype), batch.mask, count),
     }
     if cfg.clip_ratio_c is not None:
         per_token = torch.where(dual, -cfg.clip_ratio_c * adv, per_token)
-        metrics["clip_frac_dual"] = mean_metric(dual.to(adv.dtype), batch.mask, count)
+        metrics["actor/clip_frac_dual"] = mean_metric(dual.to(adv.dtype), batch.mask, count)
     return Surrogate(per_token, ratio, ppo | dual, metrics)
 
 
@@ -263,8 +264,9 @@ class ClipCovLoss(PolicyLoss):
     over the whole pool (Cui et al. pick exactly k with a permutation; a Bernoulli draw needs
     only sums, so it composes across ranks). Each token's uniform draw is a hash of its global
     position and a key drawn from `generator` (`draws.token_uniform`), so with the generator
-    seeded the same on every rank a token is picked or not whatever the layout. `clip_cov_frac`
-    counts the picked tokens whose gradient the training pass actually removes.
+    seeded the same on every rank a token is picked or not whatever the layout.
+    `actor/clip_cov_frac` counts the picked tokens whose gradient the training pass actually
+    removes.
     Communication: 3 `reduce_sum` calls.
     """
 
@@ -289,7 +291,7 @@ class ClipCovLoss(PolicyLoss):
         surrogate = clipped_surrogate(batch, batch.advantages, cfg)
         removed = ~keep & ~surrogate.cut
         metrics = dict(surrogate.metrics)
-        metrics["clip_cov_frac"] = mean_metric(removed.to(torch.float32), batch.mask)
+        metrics["actor/clip_cov_frac"] = mean_metric(removed.to(torch.float32), batch.mask)
         loss = torch.where(keep, surrogate.loss, surrogate.loss.detach())
         return loss, surrogate.ratio, metrics
 
@@ -316,7 +318,7 @@ class KLCovLoss(PolicyLoss):
         )
         selected = top_k_tokens(stats, mask, k, scope)
         metrics = covariance_metrics(stats, mask)
-        metrics["kl_cov_frac"] = mean_metric(selected.to(torch.float32), mask)
+        metrics["actor/kl_cov_frac"] = mean_metric(selected.to(torch.float32), mask)
         return Prepared(selected.to(torch.float32), metrics)
 
     def token_loss(self, batch, cfg):

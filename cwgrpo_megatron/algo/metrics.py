@@ -9,8 +9,10 @@ whole dict) before `finalize` turns it into values:
     kind "max"   value = max of x                                          -> value
     kind "sum"   value = a vector of sums (a histogram), count unused     -> `histograms`
 
+Each metric is named as it is logged (`actor/...`, `cw/...`, `rollout/...`; docs/metrics.md).
 Derived metrics (std, effective sample size, the top-1% covariance share) are computed by
-`finalize` from the reduced parts, so that they too are global over the batch.
+`finalize` from the reduced parts, so that they too are global over the batch; the parts that
+only feed them are `PARTS`.
 """
 
 from typing import NamedTuple
@@ -21,6 +23,8 @@ from torch import Tensor
 from cwgrpo_megatron.algo.covariance import CovarianceStats
 
 Metrics = dict[str, "Metric"]
+# finalized, but only to derive others (cw/sigma, cw/ess, the histogram's sum of squares)
+PARTS = frozenset({"cw/cov_sq_mean", "cw/w_sq_mean"})
 
 
 class Metric(NamedTuple):
@@ -70,9 +74,9 @@ def merge(a: Metrics, b: Metrics) -> Metrics:
 def finalize(metrics: Metrics) -> dict[str, Tensor]:
     """Values of the (already reduced) metrics, plus derived ones; 0-d float64 tensors.
 
-    Derived: cov_std = sqrt(E[c^2] - E[c]^2) from cov_mean / cov_sq_mean,
-    weight_ess_frac = ESS / N = (sum w~)^2 / (N sum w~^2) = 1 / E[w~^2] (w~ has mean one), and
-    top1pct_cov_share from the covariance histogram (`top_share`). Histograms themselves are
+    Derived: cw/sigma = sqrt(E[c^2] - E[c]^2) from cw/cov_mean and cw/cov_sq_mean,
+    cw/ess = ESS / N = (sum w~)^2 / (N sum w~^2) = 1 / E[w~^2] (w~ has mean one), and
+    cw/top1pct_cov_share from the covariance histogram (`top_share`). Histograms themselves are
     left out: `histograms` returns them.
     """
     out = {}
@@ -80,13 +84,15 @@ def finalize(metrics: Metrics) -> dict[str, Tensor]:
         if m.kind == "sum":
             continue
         out[name] = m.value / m.count.clamp(min=1.0) if m.kind == "mean" else m.value
-    if "cov_mean" in out and "cov_sq_mean" in out:
-        out["cov_std"] = (out["cov_sq_mean"] - out["cov_mean"].square()).clamp(min=0.0).sqrt()
-    if "weight_sq_mean" in out:
-        out["weight_ess_frac"] = 1.0 / out["weight_sq_mean"].clamp(min=1e-30)
-    if "cov_hist_count" in metrics and "cov_hist_abs" in metrics:
-        out["top1pct_cov_share"] = top_share(
-            metrics["cov_hist_count"].value, metrics["cov_hist_abs"].value, 0.01
+    if "cw/cov_mean" in out and "cw/cov_sq_mean" in out:
+        out["cw/sigma"] = (
+            (out["cw/cov_sq_mean"] - out["cw/cov_mean"].square()).clamp(min=0.0).sqrt()
+        )
+    if "cw/w_sq_mean" in out:
+        out["cw/ess"] = 1.0 / out["cw/w_sq_mean"].clamp(min=1e-30)
+    if "cw/cov_hist_count" in metrics and "cw/cov_hist_abs" in metrics:
+        out["cw/top1pct_cov_share"] = top_share(
+            metrics["cw/cov_hist_count"].value, metrics["cw/cov_hist_abs"].value, 0.01
         )
     return out
 
@@ -126,7 +132,10 @@ def covariance_histogram(cov: Tensor, mask: Tensor) -> Metrics:
     counts.index_add_(0, index, counted)
     sums.index_add_(0, index, magnitude * counted)
     one = counts.new_ones(())
-    return {"cov_hist_count": Metric(counts, one, "sum"), "cov_hist_abs": Metric(sums, one, "sum")}
+    return {
+        "cw/cov_hist_count": Metric(counts, one, "sum"),
+        "cw/cov_hist_abs": Metric(sums, one, "sum"),
+    }
 
 
 def top_share(counts: Tensor, abs_sums: Tensor, fraction: float) -> Tensor:
@@ -158,8 +167,8 @@ def covariance_metrics(stats: CovarianceStats, mask: Tensor) -> Metrics:
     the share of sum |c| in the top 1% of tokens by |c|, the paper's "extreme tokens")."""
     count, cov_sum, cov_sq_sum = stats.local_sums.unbind()
     return {
-        "cov_mean": Metric(cov_sum, count, "mean"),
-        "cov_sq_mean": Metric(cov_sq_sum, count, "mean"),
+        "cw/cov_mean": Metric(cov_sum, count, "mean"),
+        "cw/cov_sq_mean": Metric(cov_sq_sum, count, "mean"),
         **covariance_histogram(stats.cov, mask),
     }
 
@@ -175,8 +184,8 @@ def weight_metrics(weights: Tensor, mask: Tensor) -> Metrics:
     below = (w < 0.5).sum().to(torch.float64) - (w.numel() - count)
     top = w.amax().to(torch.float64) if w.numel() else w.new_zeros((), dtype=torch.float64)
     return {
-        "weight_frac_below_half": Metric(below, count, "mean"),
-        "weight_min": extreme_metric(weights, mask, "min"),
-        "weight_max": Metric(torch.where(count > 0, top, float("-inf")), count.new_ones(()), "max"),
-        "weight_sq_mean": Metric(torch.dot(w, w).to(torch.float64), count, "mean"),
+        "cw/frac_w_below_half": Metric(below, count, "mean"),
+        "cw/w_min": extreme_metric(weights, mask, "min"),
+        "cw/w_max": Metric(torch.where(count > 0, top, float("-inf")), count.new_ones(()), "max"),
+        "cw/w_sq_mean": Metric(torch.dot(w, w).to(torch.float64), count, "mean"),
     }

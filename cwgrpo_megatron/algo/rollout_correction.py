@@ -29,6 +29,6 @@ def rollout_gap_metrics(
     """Mean and max of |l_old - l_rollout| over the counted tokens."""
     gap = (old_logp.detach() - rollout_logp).abs()
     return {
-        "rollout_gap_mean": mean_metric(gap, mask, count),
-        "rollout_gap_max": extreme_metric(gap, mask, "max"),
+        "rollout/gap_mean": mean_metric(gap, mask, count),
+        "rollout/gap_max": extreme_metric(gap, mask, "max"),
     }

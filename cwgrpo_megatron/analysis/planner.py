@@ -461,43 +461,44 @@ class Cluster:
 
 @dataclass(kw_only=True, frozen=True)
 class Setting:
-    """What the plan reads from a run config (`from_config`), under the config's names or
-    resolved as the trainer resolves them on GPUs (seq_len, sleep_level, micro_batch_size
-    from a token budget). The search varies tp, pp, recompute and micro_batch_size; `spec`
-    is a planner input (the config does not choose the layer spec)."""
+    """What the plan reads from a run config, made only by `from_config`: the config's values
+    under their own names, or resolved as the trainer resolves them on GPUs (seq_len,
+    sleep_level, micro_batch_size from a token budget); no field has a default of its own but
+    `spec`, the one planner input (the config does not choose the layer spec). The search
+    varies tp, pp, recompute and micro_batch_size (`dataclasses.replace`)."""
 
     tp: int
     pp: int
-    params_dtype: str = "bfloat16"
-    optimizer: str = "adam"
-    distributed_optimizer: bool = True
-    kl_beta: float = 0.0
-    micro_batch_size: int = 1
+    params_dtype: str
+    optimizer: str
+    distributed_optimizer: bool
+    kl_beta: float
+    micro_batch_size: int
     """Rows of a micro-batch; from a token budget, the rows of the longest length it holds."""
-    seq_len: int = 4096
+    seq_len: int
     """Tokens of a padded row: max prompt + max completion tokens."""
-    sequences_per_step: int = 144
-    group_size: int = 6
-    token_budget: bool = False
+    sequences_per_step: int
+    group_size: int
+    token_budget: bool
     """train.max_tokens_per_micro_batch is set: micro-batches of any row count."""
-    rollout_sequences: int | None = None
-    """Sequences of one generation round (train.gen_prompts_per_step x G with dynamic
-    sampling); None: sequences_per_step."""
-    mini_batches: int = 1
-    recompute: str = "none"
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
+    rollout_sequences: int
+    """Sequences of one generation round (`TrainConfig.prompts_per_round` x G: more than a
+    step's with dynamic sampling)."""
+    mini_batches: int
+    recompute: str
+    recompute_method: str
+    recompute_num_layers: int
     spec: str = "te"
-    rollout_tp: int = 1
+    rollout_tp: int
     """The engine's tensor-parallel size (rollout.tp)."""
-    replicas: int | str = "auto"
+    replicas: int | str
     """rollout.replicas: auto (one engine per rollout_tp GPUs), per_node, or how many."""
-    max_model_len: int = 4096
-    utilization: float = 0.5
-    sleep_level: int = 2
+    max_model_len: int
+    utilization: float
+    sleep_level: int
     """rollout.sleep_level as it resolves on GPUs (None there is 2)."""
-    engine_dtype: str = "bfloat16"
-    engine_gpus_per_node: int = 0
+    engine_dtype: str
+    engine_gpus_per_node: int
     """0: colocated; else rollout.gpus_per_node of separate placement."""
 
     @property
@@ -702,7 +703,7 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
         capacity=cluster.capacity,
         utilization=setting.utilization,
         rollout_tp=setting.rollout_tp,
-        sequences=-(-(setting.rollout_sequences or setting.sequences_per_step) // engines),
+        sequences=-(-setting.rollout_sequences // engines),
         max_model_len=setting.max_model_len,
         dtype=setting.engine_dtype,
         sleep_level=setting.sleep_level,

@@ -19,7 +19,6 @@ from megatron.core import parallel_state
 from cwgrpo_megatron.comm import (
     all_gather_objects,
     broadcast_from,
-    job_rank,
     size_of,
     vocab_parallel_logprob_entropy,
     world_group,
@@ -29,12 +28,10 @@ from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron.forward import forward_logits
 from cwgrpo_megatron.megatron.model import DTYPES, unwrap, use_transformer_engine
 from cwgrpo_megatron.rollout.replicas import Replicas
-from cwgrpo_megatron.weight_sync import senders
 from cwgrpo_megatron.weight_sync.export import ExportGroups, hf_tensors
 from cwgrpo_megatron.weight_sync.plan import Place, SyncPlan
 from cwgrpo_megatron.weight_sync.receiver import WeightReceiver
 from cwgrpo_megatron.weight_sync.senders import Sender, SyncResult, build_sender
-from cwgrpo_megatron.weight_sync.shm import SharedWeights
 
 ENGINE_RANK = 0
 
@@ -136,27 +133,6 @@ def sync_weights(
     0 (built here with one all-gather)."""
     plan = plan or sync_plan(Replicas.single(size_of(world_group())))
     return weight_sender(plan, engine, arch, dtype=dtype).send(model, engine)
-
-
-def fill_buffers(
-    model, arch: ModelArch, plan: SyncPlan, buffers: list[SharedWeights], *, dtype: torch.dtype
-) -> int:
-    """This rank's part of the shm path of `plan` for `model` (`weight_sync.senders.
-    fill_buffers`); the bytes it received."""
-    return senders.fill_buffers(
-        dict(unwrap(model).named_parameters()),
-        arch,
-        plan,
-        buffers,
-        dtype=dtype,
-        rank=job_rank(),
-        te_spec=use_transformer_engine(),
-    )
-
-
-def _transfer_source(model, arch: ModelArch, dtype: str):
-    """The model as vLLM's weight transfer reads it (`weight_sync.senders._transfer_source`)."""
-    return senders._transfer_source(model, MegatronExport.of(arch, dtype))
 
 
 def score(model, arch: ModelArch, tokens: torch.Tensor) -> torch.Tensor | None:

@@ -70,19 +70,11 @@ def build_engine(
         enable_sleep_mode=engine_sleep_level(cfg, cuda=torch.cuda.is_available()) > 0,
         enforce_eager=eager(cfg, cuda=torch.cuda.is_available()),
         shm_dir=cfg.shm_dir,
-        weight_sync=weight_sync_path(cfg, cuda=torch.cuda.is_available()),
+        weight_sync=cfg.weight_sync,
         tensor_parallel_size=cfg.tp,
         devices=devices,
         cpu_cores=cpu_cores,
     )
-
-
-def weight_sync_path(cfg: RolloutConfig, *, cuda: bool) -> str | None:
-    """rollout.weight_sync, or when it is unset with separate placement: nccl on GPUs (from
-    the owner's GPU to the engine's), shm on CPU; colocated, the engine decides (ipc on GPUs)."""
-    if cfg.weight_sync is not None or not cfg.separate:
-        return cfg.weight_sync
-    return "nccl" if cuda else "shm"
 
 
 def eager(cfg: RolloutConfig, *, cuda: bool) -> bool:
@@ -118,5 +110,4 @@ __all__ = [
     "get_engine",
     "sampling_config",
     "engine_sleep_level",
-    "weight_sync_path",
 ]

@@ -32,10 +32,12 @@ from cwgrpo_megatron.weight_sync.names import TRANSFER_PATHS
 def engine_sync_path(
     weight_sync: str | None, *, in_process: bool, devices: list[int] | None
 ) -> str:
-    """rollout.weight_sync as this engine's path. Unset: ipc on GPUs with engine processes.
-    An in-process GPU engine takes the stream (it reads the trainer's tensors directly); CPU
-    and shm take shm. ipc and nccl need a GPU and engine processes, and nccl the engine on
-    GPUs other than this rank's: NCCL refuses two ranks of one group on one GPU."""
+    """rollout.weight_sync as this engine's path, the one place it is resolved. Unset, on GPUs
+    with engine processes: ipc when the engine's `devices` include this rank's GPU
+    (colocated), else nccl (separate placement: from the owner's GPU to the engine's). An
+    in-process GPU engine takes the stream (it reads the trainer's tensors directly); CPU and
+    shm take shm. ipc and nccl need a GPU and engine processes, and nccl the engine on GPUs
+    other than this rank's: NCCL refuses two ranks of one group on one GPU."""
     cuda = torch.cuda.is_available()
     if weight_sync in TRANSFER_PATHS and (in_process or not cuda):
         raise ValueError(
@@ -51,7 +53,9 @@ def engine_sync_path(
         return "stream"
     if weight_sync == "shm" or not cuda:
         return "shm"
-    return weight_sync or "ipc"
+    if weight_sync is not None:
+        return weight_sync
+    return "ipc" if devices is None or torch.cuda.current_device() in devices else "nccl"
 
 
 class VLLMWeights:

@@ -31,31 +31,9 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from cwgrpo_megatron.algo.metrics import PARTS
 from cwgrpo_megatron.reward.repetition import repeated_ngram_fraction
 
-# the loss's metric name (algo.metrics / algo.losses) -> the logged name
-LOSS_METRIC_NAMES = {
-    "entropy_mean": "actor/entropy",
-    "kl_mean": "actor/kl",
-    "clip_frac_low": "actor/clip_frac_low",
-    "clip_frac_high": "actor/clip_frac_high",
-    "clip_frac_dual": "actor/clip_frac_dual",
-    "ratio_mean": "actor/ratio_mean",
-    "tis_weight_mean": "actor/tis_weight_mean",
-    "clip_cov_frac": "actor/clip_cov_frac",
-    "kl_cov_frac": "actor/kl_cov_frac",
-    "cov_mean": "cw/cov_mean",
-    "cov_std": "cw/sigma",
-    "weight_min": "cw/w_min",
-    "weight_max": "cw/w_max",
-    "weight_frac_below_half": "cw/frac_w_below_half",
-    "weight_ess_frac": "cw/ess",
-    "top1pct_cov_share": "cw/top1pct_cov_share",
-    "rollout_gap_mean": "rollout/gap_mean",
-    "rollout_gap_max": "rollout/gap_max",
-}
-# parts of derived metrics, not worth a line of their own
-_UNLOGGED = {"cov_sq_mean", "weight_sq_mean"}
 PHASES = (
     "rollout",
     "rollout_wait",
@@ -109,9 +87,8 @@ def actor_metrics(results) -> dict[str, float]:
         "actor/micro_batches": float(sum(r.micro_batches for r in results)),
     }
     for name in results[0].metrics:
-        if name not in _UNLOGGED:
-            key = LOSS_METRIC_NAMES.get(name, f"actor/{name}")
-            out[key] = _mean([r.metrics[name] for r in results])
+        if name not in PARTS:
+            out[name] = _mean([r.metrics[name] for r in results])
     return out
 
 
@@ -131,12 +108,12 @@ class Histogram(NamedTuple):
 def cov_histogram(results) -> Histogram | None:
     """The covariance c of every token the step trained on: its mini-batches' histograms
     (`algo.metrics.covariance_histogram`) summed; None when there are none. The sum and the sum
-    of squares are exact, from each mini-batch's cov_mean and cov_sq_mean."""
+    of squares are exact, from each mini-batch's cw/cov_mean and cw/cov_sq_mean."""
     from cwgrpo_megatron.algo.metrics import COV_BINS, cov_bin_edges
 
-    if not results or "cov_hist_count" not in results[0].histograms:
+    if not results or "cw/cov_hist_count" not in results[0].histograms:
         return None
-    per_batch = [r.histograms["cov_hist_count"] for r in results]
+    per_batch = [r.histograms["cw/cov_hist_count"] for r in results]
     counts = [sum(h[i] for h in per_batch) for i in range(COV_BINS)]
     tokens = [sum(h) for h in per_batch]
     if sum(tokens) == 0:
@@ -147,8 +124,10 @@ def cov_histogram(results) -> Histogram | None:
         min=edges[used[0]],
         max=edges[used[-1] + 1],
         num=sum(tokens),
-        sum=sum(r.metrics["cov_mean"] * n for r, n in zip(results, tokens, strict=True)),
-        sum_squares=sum(r.metrics["cov_sq_mean"] * n for r, n in zip(results, tokens, strict=True)),
+        sum=sum(r.metrics["cw/cov_mean"] * n for r, n in zip(results, tokens, strict=True)),
+        sum_squares=sum(
+            r.metrics["cw/cov_sq_mean"] * n for r, n in zip(results, tokens, strict=True)
+        ),
         bucket_limits=edges[1:],
         bucket_counts=counts,
     )

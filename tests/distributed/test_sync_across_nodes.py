@@ -29,9 +29,10 @@ def _fill(rank, world_size, hf_dir, tp, pp, per_node, shm_dir):
     from cwgrpo_megatron.convert.mapping import hf_shapes
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.publish import fill_buffers, sync_plan
+    from cwgrpo_megatron.megatron.publish import sync_plan
     from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.weight_sync import shm
+    from tests.megatron_sync import fill_buffers
 
     world = dist.group.WORLD
     cfg = layout_config(

@@ -120,9 +120,9 @@ def test_layouts_agree_with_sgd(loss):
         assert_same(got, ref, 1e-5, f"{loss} {name}")
         # the covariance diagnostics, logged for every loss, are global too
         for a, b in zip(got["metrics"], ref["metrics"], strict=True):
-            for key in ("cov_std", "top1pct_cov_share"):
+            for key in ("cw/sigma", "cw/top1pct_cov_share"):
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (name, key, a[key], b[key])
-            assert 0.01 < b["top1pct_cov_share"] < 1
+            assert 0.01 < b["cw/top1pct_cov_share"] < 1
 
 
 def test_layouts_agree_with_adam():
@@ -275,7 +275,7 @@ def test_clip_cov_picks_the_same_tokens_at_every_layout():
     picks the same tokens at DP1 and TP2xDP2; two PPO mini-batches make the second one
     off-policy (the band then excludes tokens PPO clipped). kl_cov's tie-break by the same
     order is tested across ranks in test_covariance_dist.py."""
-    loss, picked = "clip_cov", "clip_cov_frac"
+    loss, picked = "clip_cov", "actor/clip_cov_frac"
     overrides = [f"algo.policy_loss={loss}", "algo.clip_cov_ratio=0.05", "algo.clip_cov_lb=0.05"]
     ref = layout("tp1-pp1-dp1-mb4", overrides, mini_batches=2)
     assert all(m[picked] > 0 for m in ref["metrics"]), [m[picked] for m in ref["metrics"]]

@@ -108,16 +108,12 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
     from cwgrpo_megatron.convert.mapping import hf_shapes
     from cwgrpo_megatron.convert.safetensors_io import HFCheckpoint
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.publish import (
-        _transfer_source,
-        fill_buffers,
-        hf_weights,
-        sync_plan,
-    )
+    from cwgrpo_megatron.megatron.publish import hf_weights, sync_plan
     from cwgrpo_megatron.rollout.replicas import Replicas
     from cwgrpo_megatron.weight_sync import shm
     from cwgrpo_megatron.weight_sync.nccl import send_nccl
     from cwgrpo_megatron.weight_sync.transfer import HFSource
+    from tests.megatron_sync import _transfer_source, fill_buffers
 
     cfg = layout_config(
         tp=tp, pp=pp, micro_batches=1, global_batch=8, group_size=4, steps=1, world_size=world_size
@@ -245,8 +241,8 @@ def test_rollouts_train_and_sync_with_the_log_prob_gap_logged(hf_dir, backend):
     metrics, version = run_distributed(_rollout_then_train, 1, hf_dir, backend, timeout=300)[0]
     assert version == 2
     for step in metrics:  # engine and trainer sample / score the same distribution
-        assert step["rollout_gap_max"] < 1e-4, step
-        assert abs(step["tis_weight_mean"] - 1.0) < 1e-4, step
+        assert step["rollout/gap_max"] < 1e-4, step
+        assert abs(step["actor/tis_weight_mean"] - 1.0) < 1e-4, step
 
 
 def test_check_weight_sync_cli(hf_dir):

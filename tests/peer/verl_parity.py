@@ -261,7 +261,7 @@ def surrogate_rows(core, dtype) -> list[Row]:
     v, g, m = ours("grpo", dual, logp, old, adv, mask, 1)
     tv, tg, tm = theirs(core, "vanilla", actor_config(clip_ratio_c=3.0), logp, old, adv, mask, 1)
     tol, note = max(GUARD_TOL, TOL[dtype]), DIFFERENCES["metric guard"]
-    clip = m["clip_frac_low"] + m["clip_frac_high"]
+    clip = m["actor/clip_frac_low"] + m["actor/clip_frac_high"]
     rows.append(
         _compare(
             "pg_clipfrac = clip_frac_low + high", clip, tm["actor/pg_clipfrac"], dtype, tol, note
@@ -270,7 +270,7 @@ def surrogate_rows(core, dtype) -> list[Row]:
     rows.append(
         _compare(
             "pg_clipfrac_lower = clip_frac_dual",
-            m["clip_frac_dual"],
+            m["actor/clip_frac_dual"],
             tm["actor/pg_clipfrac_lower"],
             dtype,
             tol,
@@ -338,7 +338,7 @@ def cov_rows(core, dtype) -> list[Row]:
             rows.append(
                 _compare(
                     "clip_cov: picked share (pg_clipfrac)",
-                    m["clip_cov_frac"],
+                    m["actor/clip_cov_frac"],
                     tm["actor/pg_clipfrac"],
                     dtype,
                     max(GUARD_TOL, TOL[dtype]),

@@ -38,7 +38,7 @@ def test_kl_cov_takes_exactly_k_from_a_pool_without_spread(adv_value):
     selected, metrics = kl_cov_selection(cfg, logp, adv, mask)
     assert int(selected.sum()) == 8
     assert torch.equal(selected.reshape(-1), torch.arange(80) < 8)
-    assert float(metrics["kl_cov_frac"]) == pytest.approx(0.1)
+    assert float(metrics["actor/kl_cov_frac"]) == pytest.approx(0.1)
 
 
 def test_kl_cov_breaks_partial_ties_at_the_threshold_in_token_order():
@@ -126,12 +126,12 @@ def test_dual_clip_bounds_negative_advantage_tokens():
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-14, atol=1e-18)
     assert torch.all(grad[dual] == 0)
     metrics = finalize(out.metrics)
-    assert float(metrics["clip_frac_dual"]) == pytest.approx(float(dual.sum() / mask.sum()))
+    assert float(metrics["actor/clip_frac_dual"]) == pytest.approx(float(dual.sum() / mask.sum()))
     # off by default: the same batch without it differs exactly on the dual-clipped tokens
     plain, plain_grad, plain_out = run_loss(
         "grpo", AlgoConfig(policy_loss="grpo"), logp, old, ref, adv, mask
     )
-    assert "clip_frac_dual" not in plain_out.metrics
+    assert "actor/clip_frac_dual" not in plain_out.metrics
     assert plain > value
     assert torch.equal(plain_grad[~dual], grad[~dual])
 
@@ -147,7 +147,7 @@ def test_dual_clip_applies_to_the_clipped_losses(name):
     _, grad, out = run_loss(name, cfg, logp, old, ref, adv, mask, generator=gen)
     dual = (mask > 0) & (adv < 0) & (torch.exp(logp - old) > 2.0)
     assert dual.sum() > 0 and torch.all(grad[dual] == 0)
-    assert float(finalize(out.metrics)["clip_frac_dual"]) == pytest.approx(
+    assert float(finalize(out.metrics)["actor/clip_frac_dual"]) == pytest.approx(
         float(dual.sum() / mask.sum())
     )
 
@@ -249,7 +249,7 @@ def test_clip_cov_band_excludes_clipped_tokens_off_policy():
     grpo_value, grpo_grad, _ = run_loss("grpo", cfg, policy, old, ref, adv, mask)
     torch.testing.assert_close(value, grpo_value)
     torch.testing.assert_close(grad, torch.where(detached, 0.0, grpo_grad))
-    frac = float(finalize(out.metrics)["clip_cov_frac"])
+    frac = float(finalize(out.metrics)["actor/clip_cov_frac"])
     assert frac == pytest.approx(float((band & ~ppo).sum() / mask.sum()))
     # on-policy (old_logp omitted: rho = 1) nothing is clipped, so the whole band is eligible
     on_policy = get_policy_loss("clip_cov").prepare(
@@ -274,7 +274,7 @@ def test_clip_cov_frac_counts_only_tokens_whose_gradient_was_removed():
     out = get_policy_loss("clip_cov")(
         PolicyBatch(logp=logp, old_logp=old, advantages=adv, mask=mask, token_stat=keep), cfg
     )
-    assert float(finalize(out.metrics)["clip_cov_frac"]) == pytest.approx(0.25)
+    assert float(finalize(out.metrics)["actor/clip_cov_frac"]) == pytest.approx(0.25)
 
 
 # ---- group size 1 ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def exact_top_share(c: torch.Tensor, fraction: float) -> float:
 def share_of(c: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     mask = torch.ones_like(c) if mask is None else mask
     h = covariance_histogram(c, mask)
-    return float(top_share(h["cov_hist_count"].value, h["cov_hist_abs"].value, 0.01))
+    return float(top_share(h["cw/cov_hist_count"].value, h["cw/cov_hist_abs"].value, 0.01))
 
 
 def test_bins_count_every_counted_token_once_by_sign_and_magnitude():
@@ -38,7 +38,7 @@ def test_bins_count_every_counted_token_once_by_sign_and_magnitude():
     mask = torch.ones_like(c)
     mask[1, 3:] = 0  # the three 9s are padding
     h = covariance_histogram(c, mask)
-    counts, sums = h["cov_hist_count"].value, h["cov_hist_abs"].value
+    counts, sums = h["cw/cov_hist_count"].value, h["cw/cov_hist_abs"].value
     assert counts.shape == sums.shape == (COV_BINS,)
     assert counts.sum() == 9 and sums.sum() == pytest.approx(3 + 3e-5 + 2e-9 + 5e-3 + 7e5 + 3.3)
     edges = cov_bin_edges()
@@ -84,13 +84,15 @@ def test_histograms_merge_and_reduce_like_the_whole_batch():
     mask = (torch.rand(12, 30, generator=gen) > 0.2).float()
     whole = covariance_histogram(c, mask)
     parts = merge(covariance_histogram(c[:5], mask[:5]), covariance_histogram(c[5:], mask[5:]))
-    for name in ("cov_hist_count", "cov_hist_abs"):
+    for name in ("cw/cov_hist_count", "cw/cov_hist_abs"):
         torch.testing.assert_close(parts[name].value, whole[name].value, rtol=1e-12, atol=0)
     reduced = reduce_metrics(parts)  # one process: the identity, but through the packing
-    torch.testing.assert_close(histograms(reduced)["cov_hist_count"], whole["cov_hist_count"].value)
+    torch.testing.assert_close(
+        histograms(reduced)["cw/cov_hist_count"], whole["cw/cov_hist_count"].value
+    )
     final = finalize(reduced)
-    assert "cov_hist_count" not in final
-    assert float(final["top1pct_cov_share"]) == pytest.approx(share_of(c, mask), rel=1e-12)
+    assert "cw/cov_hist_count" not in final
+    assert float(final["cw/top1pct_cov_share"]) == pytest.approx(share_of(c, mask), rel=1e-12)
 
 
 def test_step_histogram_is_tensorboards_raw_form(tmp_path):
@@ -103,7 +105,7 @@ def test_step_histogram_is_tensorboards_raw_form(tmp_path):
     hists = {k: m.value.tolist() for k, m in h.items()}
     n, mean, sq = 4, float(c.mean()), float((c * c).mean())
     results = [
-        StepResult(0.0, 1.0, False, {"cov_mean": mean, "cov_sq_mean": sq}, histograms=hists)
+        StepResult(0.0, 1.0, False, {"cw/cov_mean": mean, "cw/cov_sq_mean": sq}, histograms=hists)
         for _ in range(2)
     ]
     got = cov_histogram(results)

@@ -247,6 +247,7 @@ def test_engines_sleep_by_default_on_a_gpu_and_not_on_cpu(cuda, expected):
         (None, True, False, None, "ipc"),  # engine processes on GPUs: CUDA IPC
         ("ipc", True, False, [0], "ipc"),
         ("nccl", True, False, [1], "nccl"),  # an engine on a GPU of its own (this rank: GPU 0)
+        (None, True, False, [1, 2], "nccl"),  # separate placement: from the owner's GPU
         ("shm", True, False, None, "shm"),  # the host-memory buffer, on request
         (None, True, True, None, "stream"),  # in-process on a GPU: the trainer's own tensors
         (None, False, False, None, "shm"),  # CPU: the /dev/shm buffer
@@ -282,23 +283,6 @@ def test_a_transfer_where_it_cannot_work_is_refused(
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match=message):
         engine_sync_path(setting, in_process=in_process, devices=devices)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "cuda", "expected"),
-    [
-        ([], True, None),  # colocated: the engine decides (ipc on GPUs)
-        (["rollout.placement=separate", "rollout.gpus_per_node=2"], True, "nccl"),
-        (["rollout.placement=separate"], False, "shm"),
-        (["rollout.placement=separate", "rollout.weight_sync=shm"], True, "shm"),
-        (["rollout.weight_sync=shm"], True, "shm"),
-    ],
-)
-def test_separate_engines_on_gpus_take_nccl_by_default(overrides, cuda, expected):
-    from cwgrpo_megatron.config import load_config
-    from cwgrpo_megatron.rollout import weight_sync_path
-
-    assert weight_sync_path(load_config(overrides=overrides).rollout, cuda=cuda) == expected
 
 
 def test_the_log_prob_chunk_is_chosen_by_device():

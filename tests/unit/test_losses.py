@@ -247,15 +247,15 @@ def test_metrics_merge_over_micro_batches_equals_whole_batch():
     for name in whole:
         torch.testing.assert_close(parts[name], whole[name], msg=name)
     w = prepared.token_stat[mask > 0].double()
-    torch.testing.assert_close(whole["weight_min"], w.min())
-    torch.testing.assert_close(whole["weight_max"], w.max())
-    torch.testing.assert_close(whole["weight_ess_frac"], w.sum() ** 2 / (w.numel() * (w**2).sum()))
-    torch.testing.assert_close(whole["entropy_mean"], entropy[mask > 0].mean())
+    torch.testing.assert_close(whole["cw/w_min"], w.min())
+    torch.testing.assert_close(whole["cw/w_max"], w.max())
+    torch.testing.assert_close(whole["cw/ess"], w.sum() ** 2 / (w.numel() * (w**2).sum()))
+    torch.testing.assert_close(whole["actor/entropy"], entropy[mask > 0].mean())
     cov = centred_covariance(old, adv, mask, single_pool(8)).cov[mask > 0]
-    torch.testing.assert_close(whole["cov_std"], cov.std(correction=0))
-    torch.testing.assert_close(whole["cov_mean"], cov.mean())
+    torch.testing.assert_close(whole["cw/sigma"], cov.std(correction=0))
+    torch.testing.assert_close(whole["cw/cov_mean"], cov.mean())
     frac = (w < 0.5).double().mean()
-    torch.testing.assert_close(whole["weight_frac_below_half"], frac)
+    torch.testing.assert_close(whole["cw/frac_w_below_half"], frac)
 
 
 def test_clip_fractions_count_where_the_clip_cuts_the_gradient():
@@ -271,5 +271,5 @@ def test_clip_fractions_count_where_the_clip_cuts_the_gradient():
     final = finalize(out.metrics)
     # high: token 0 (1.5 > 1.3, A > 0); low: tokens 2 and 6 (0.5 < 0.8, A < 0); not token 3
     # (rho high, A < 0: unclipped wins) or 4 (rho low, A > 0), nor the padded token 7
-    assert float(final["clip_frac_high"]) == pytest.approx(1 / 7)
-    assert float(final["clip_frac_low"]) == pytest.approx(2 / 7)
+    assert float(final["actor/clip_frac_high"]) == pytest.approx(1 / 7)
+    assert float(final["actor/clip_frac_low"]) == pytest.approx(2 / 7)

@@ -34,7 +34,7 @@ def test_matching_rollout_logprobs_change_nothing():
     out, grad_tis = _loss(AlgoConfig(tis_cap=2.0), logp, old, adv, mask, rollout=old.clone())
     assert torch.allclose(out.loss_sum, base.loss_sum) and torch.allclose(grad_tis, grad)
     metrics = finalize(out.metrics)
-    assert float(metrics["rollout_gap_mean"]) == 0 and float(metrics["tis_weight_mean"]) == 1
+    assert float(metrics["rollout/gap_mean"]) == 0 and float(metrics["actor/tis_weight_mean"]) == 1
 
 
 def test_each_token_surrogate_is_scaled_by_its_weight():
@@ -47,11 +47,11 @@ def test_each_token_surrogate_is_scaled_by_its_weight():
     assert torch.allclose(grad_tis, grad * w, atol=1e-12)  # the gradient of each token, times w
     metrics = finalize(tis.metrics)
     gap = (old - rollout).abs()
-    assert torch.isclose(metrics["rollout_gap_mean"], (gap * mask).sum() / mask.sum())
-    assert torch.isclose(metrics["rollout_gap_max"], gap[mask > 0].max())
+    assert torch.isclose(metrics["rollout/gap_mean"], (gap * mask).sum() / mask.sum())
+    assert torch.isclose(metrics["rollout/gap_max"], gap[mask > 0].max())
     # without the cap the gap is still logged, and the loss is the plain one
     logged, _ = _loss(AlgoConfig(), logp, old, adv, mask, rollout=rollout)
-    assert torch.equal(logged.loss_sum, plain.loss_sum) and "rollout_gap_mean" in logged.metrics
+    assert torch.equal(logged.loss_sum, plain.loss_sum) and "rollout/gap_mean" in logged.metrics
 
 
 def test_cap_without_rollout_logprobs_is_an_error():
