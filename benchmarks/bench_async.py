@@ -83,7 +83,7 @@ def overrides(args, hf_dir: Path, data: Path, out: Path, async_steps: int) -> li
         "rollout.cpu_cores=1",
         f"rollout.async_steps={async_steps}",
         "reward.weights={accuracy: 1.0, cosine_length: 1.0}",
-        f"reward.cosine_max_len={args.tokens}",
+        f"reward.options.cosine_length.max_len={args.tokens}",
         "reward.workers=1",
         f"run.out_dir={out}",
         "run.save_every=0",

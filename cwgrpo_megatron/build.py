@@ -30,6 +30,7 @@ from cwgrpo_megatron.comm import (
     size_of,
     world_group,
 )
+from cwgrpo_megatron.common.plugins import check_unchanged, load_plugins
 from cwgrpo_megatron.common.settings import check_length
 from cwgrpo_megatron.components.inputs import Inputs
 from cwgrpo_megatron.components.rollouts import Rollouts
@@ -91,7 +92,7 @@ def build_trainer(cfg: Config, *, sources: Sequence[str] = ()) -> Trainer:
         if state.step:  # the engines still hold the start checkpoint
             sync.push(actor.model, rollouts.engine)
             sync.check(actor.model, rollouts.engine, step=None)
-        _write_run_files(run, state.step, saved_line, group)
+        _write_run_files(run, state.step, saved_line, group, cfg.run.plugins)
         tracker = Tracker(cfg, run, start_step=state.step, enabled=job_rank() == 0)
         stack.callback(tracker.close)
         return Trainer(
@@ -157,13 +158,18 @@ def _build_actor(cfg: Config, arch: ModelArch, group) -> Actor:
         )
 
 
-def _write_run_files(run: RunDir, step: int, saved_line: dict | None, group) -> None:
+def _write_run_files(
+    run: RunDir, step: int, saved_line: dict | None, group, run_plugins: Sequence[str]
+) -> None:
     """env.json, and metrics.jsonl rewound to the resumed step (rank 0)."""
     hostnames = all_gather_objects(socket.gethostname(), group)
     if job_rank() == 0:
         rewind_metrics(run.metrics, step=step, saved_line=saved_line)
         spec = "te" if use_transformer_engine() else "local"
-        write_env(run, layout=parallel.layout(), hostnames=hostnames, layer_spec=spec)
+        plugins = [record.to_json() for record in load_plugins(run_plugins)]
+        write_env(
+            run, layout=parallel.layout(), hostnames=hostnames, layer_spec=spec, plugins=plugins
+        )
 
 
 def _resume(cfg: Config, run: RunDir, actor: Actor, state: LoopState, group) -> dict | None:
@@ -178,6 +184,7 @@ def _resume(cfg: Config, run: RunDir, actor: Actor, state: LoopState, group) -> 
         return None
     with fail_together(f"resuming from {found}", group):
         data_state = train_checkpoint.load(actor, found)
+        check_unchanged(data_state.get("plugins", []), load_plugins(cfg.run.plugins), where=found)
         state.load_state_dict(data_state["loop"], train_checkpoint.load_objects(found))
         if actor.step != state.step * cfg.train.ppo_mini_batches:
             raise ValueError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shlex
 import types
 import typing
@@ -28,6 +29,7 @@ from typing import Any
 import yaml
 
 from cwgrpo_megatron.algo.config import AlgoConfig
+from cwgrpo_megatron.common.plugins import absolute_entry, load_plugins
 from cwgrpo_megatron.common.settings import (
     ConfigWarning,
     check_choice,
@@ -326,6 +328,11 @@ class RunConfig:
     writes checkpoint shards into: a node whose marker does not appear (a node-local folder)
     stops the run. A network file system can show another node's new file late (NFS: up to
     its attribute cache's 30-60 s)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules (`my_pkg.rewards`) or files (`path/to/plugin.py`) imported on every rank
+    before the rest of the config is checked, so that the rewards, losses, prompt schemas and
+    benchmarks they register are valid names here (docs/extending.md). Each file's SHA-256 goes
+    into env.json and every checkpoint; a resume refuses a plugin that changed."""
     collective_timeout_min: float = 240.0
     """How long a rank waits for the others at a phase's agreement (`comm.fail_together` and
     the job's other object collectives, which go over a gloo group beside NCCL): long enough
@@ -411,12 +418,6 @@ class Config:
                 f"data.max_prompt_tokens + rollout.max_tokens = {longest}: raise it (a row is "
                 "never split)"
             )
-        buffer = self.reward.overlong_buffer_tokens
-        if "overlong" in self.reward.weights and buffer > r.max_tokens:
-            raise ValueError(
-                f"reward.overlong_buffer_tokens={buffer} exceeds rollout.max_tokens="
-                f"{r.max_tokens}: the penalty would start before the first token; lower it"
-            )
         if r.async_steps and t.dynamic_sampling:
             raise ValueError(
                 "rollout.async_steps=1 with train.dynamic_sampling=true is not built (whether "
@@ -486,8 +487,12 @@ def split_problem(
 def load_config(
     path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     overrides: Sequence[str] = (),
+    *,
+    plugins: Sequence[str] = (),
 ) -> Config:
-    """Defaults <- YAML file(s) at `path` <- `overrides` such as ``algo.kl_beta=0.04``.
+    """Defaults <- YAML file(s) at `path` <- `overrides` such as ``algo.kl_beta=0.04``, with
+    `plugins` (a tool's --plugin) after run.plugins; every plugin is imported
+    (`common.plugins`) before the settings are checked.
 
     Each file overrides the ones before it key by key within a section: a recipe, then an
     overlay that sets `algo.policy_loss` alone, keeps every other key of the recipe. A value that
@@ -502,7 +507,24 @@ def load_config(
                 data[section] = values
     for item in overrides:
         _apply_override(data, item)
+    load_plugins(_plugin_entries(data, plugins))
     return _build(Config, data, prefix="")
+
+
+def _plugin_entries(data: dict[str, Any], extra: Sequence[str]) -> list[str]:
+    """run.plugins of the merged `data`, then `extra` (each once, files as absolute paths),
+    written back into `data` so that the resolved config lists them all, wherever it is read
+    from (a resume, tools/evaluate.py on the run)."""
+    run = data.get("run", {})
+    if not isinstance(run, Mapping):
+        return list(extra)  # _build names the malformed section
+    entries = run.get("plugins", [])
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise ValueError(f"run.plugins={entries!r} must be a list of module names or .py files")
+    entries = list(dict.fromkeys(absolute_entry(e) for e in [*entries, *extra]))
+    if entries:
+        data["run"] = {**run, "plugins": entries}
+    return entries
 
 
 def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -573,6 +595,12 @@ def _build(cls: type, data: Any, *, prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
+    moved = getattr(cls, "MOVED", {})
+    for name in unknown:
+        if name in moved:
+            raise ValueError(
+                f"{prefix}{name} is now {moved[name]}: write {moved[name]}={data[name]!r}"
+            )
     if unknown:
         raise ValueError(
             f"unknown key '{prefix}{unknown[0]}' in {where}; known keys: {', '.join(fields)}"
@@ -588,8 +616,16 @@ def _build(cls: type, data: Any, *, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check `value` against a scalar type hint; YAML 1.1 reads 1e-6 as a string, so parse it."""
+    """Check `value` against a scalar type hint; YAML 1.1 reads 1e-6 as a string, so parse it.
+    `Any` (a reward's or loss's options) takes any YAML value, with such numbers read as floats."""
+    if hint is Any:
+        if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+            return float(value)
+        return value
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         options = typing.get_args(hint)
         if value is None and type(None) in options:

@@ -1,6 +1,7 @@
 """Train a policy with CW-GRPO: parse, build, train, close.
 
-    python -m cwgrpo_megatron.train --config FILE [--config FILE2 ...] [section.key=value ...]
+    python -m cwgrpo_megatron.train --config FILE [--config FILE2 ...] [--plugin P ...]
+        [section.key=value ...]
     torchrun --nproc-per-node N -m cwgrpo_megatron.train --config FILE ...   (any TP x PP x DP)
 
 Each file overrides the ones before it, key by key, and the overrides come last: a recipe, then
@@ -29,6 +30,8 @@ generates it from the settings dataclasses)."""
 
 
 def parse(argv=None) -> argparse.Namespace:
+    from cwgrpo_megatron.common.plugins import add_plugin_argument
+
     parser = argparse.ArgumentParser(
         prog="python -m cwgrpo_megatron.train",
         description=__doc__.split("\n\n")[0],
@@ -42,8 +45,9 @@ def parse(argv=None) -> argparse.Namespace:
         metavar="FILE",
         help="a YAML file of settings; repeatable, each over the ones before it",
     )
+    add_plugin_argument(parser)
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.seed=3")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # --config and --plugin among the overrides
 
 
 def setup_logging(rank: int) -> None:
@@ -84,7 +88,7 @@ def run(argv=None, *, recipe: str | None = None) -> int:
     log = logging.getLogger("cwgrpo_megatron.train")
     trainer = None
     try:
-        cfg = load_config(configs, args.overrides)
+        cfg = load_config(configs, args.overrides, plugins=args.plugin)
         trainer = build_trainer(cfg, sources=config_sources(configs, args.overrides))
         trainer.fit()
     except Exception as err:

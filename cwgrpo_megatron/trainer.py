@@ -37,6 +37,7 @@ from cwgrpo_megatron.algo.advantages import get_advantage_estimator
 from cwgrpo_megatron.comm import fail_together
 from cwgrpo_megatron.comm.collectives import Group
 from cwgrpo_megatron.common.files import write_atomic
+from cwgrpo_megatron.common.plugins import load_plugins
 from cwgrpo_megatron.common.timing import PhaseTimer
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.data.batching import TrainBatch, batch_from_rollouts
@@ -208,7 +209,8 @@ class Trainer:
         return metrics
 
     def save(self, line: dict) -> None:
-        data_state = {"loop": self.state.state_dict(), "metrics": line}
+        plugins = [record.to_json() for record in load_plugins(self.cfg.run.plugins)]
+        data_state = {"loop": self.state.state_dict(), "metrics": line, "plugins": plugins}
         train_checkpoint.save(
             self.actor,
             self.run.checkpoints,

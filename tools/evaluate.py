@@ -24,8 +24,9 @@ from pathlib import Path
 
 
 def parse(argv):
+    from cwgrpo_megatron.common.plugins import add_plugin_argument
     from cwgrpo_megatron.data.names import CHAT_TEMPLATES
-    from cwgrpo_megatron.eval import BENCHMARKS
+    from cwgrpo_megatron.eval import SHIPPED_BENCHMARKS
     from cwgrpo_megatron.eval import standalone as s
 
     p = argparse.ArgumentParser(
@@ -39,7 +40,7 @@ def parse(argv):
     )
     p.add_argument(
         "--benchmarks",
-        default=",".join(BENCHMARKS),
+        default=",".join(SHIPPED_BENCHMARKS),
         help="comma-separated names (shipped with the package), .jsonl / .parquet files or hub ids",
     )
     p.add_argument("--n", type=int, default=1, help="samples per problem")
@@ -123,6 +124,7 @@ def parse(argv):
     p.add_argument("--split", default="test", help="the split of a hub dataset id")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="eval_results.json")
+    add_plugin_argument(p)
     args = p.parse_args(argv)
     args.benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     if args.n < 1:
@@ -188,6 +190,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     import torch
 
+    from cwgrpo_megatron.common.plugins import load_plugins
     from cwgrpo_megatron.components.inputs import load_tokenizer, prompt_format
     from cwgrpo_megatron.eval.runner import evaluate, format_table, load_benchmarks, write_json
     from cwgrpo_megatron.eval.standalone import engine_config, resolve_lengths
@@ -195,6 +198,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="cwgrpo-eval-") as scratch:
         try:  # bad input: a name or data file, a folder that is not a model, lengths, a config
+            load_plugins(args.plugin)  # before the run's config and the benchmarks' names
+            cfg, cfg_path = run_config(Path(args.model_dir))
             benchmarks = load_benchmarks(
                 args.benchmarks,
                 data_dir=args.data_dir,
@@ -202,7 +207,6 @@ def main(argv=None) -> int:
                 split=args.split,
                 key="--data-dir",
             )
-            cfg, cfg_path = run_config(Path(args.model_dir))
             hf_dir = hf_model_dir(Path(args.model_dir), Path(scratch))
             lengths = resolve_lengths(
                 positions_of(hf_dir),

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cwgrpo_megatron.analysis import planner  # noqa: E402
 from cwgrpo_megatron.common.files import save_figure  # noqa: E402
+from cwgrpo_megatron.common.plugins import add_plugin_argument  # noqa: E402
 from cwgrpo_megatron.config import load_config  # noqa: E402
 from cwgrpo_megatron.convert.arch import ModelArch  # noqa: E402
 
@@ -174,15 +175,16 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--plot", type=Path, metavar="FILE.png",
                         help="draw the phases' memory, stacked by kind, to FILE.png")  # fmt: skip
+    add_plugin_argument(parser)
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.tp=4")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         for name in ("nodes", "gpus_per_node", "top"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if args.gpu_gib <= 0:
             raise ValueError("--gpu-gib must be > 0")
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, plugins=args.plugin)
         arch = _arch(cfg)
         cluster = planner.Cluster(
             nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_gib=args.gpu_gib

@@ -15,6 +15,7 @@ from cwgrpo_megatron.algo.losses import (
     LossOutput,
     PolicyBatch,
     PolicyLoss,
+    build_policy_loss,
     get_policy_loss,
     register_policy_loss,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "PolicyLoss",
     "Scope",
     "broadcast_to_tokens",
+    "build_policy_loss",
     "centred_covariance",
     "covariance_weights",
     "get_policy_loss",

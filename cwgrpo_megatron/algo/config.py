@@ -1,6 +1,7 @@
 """The algorithm's settings (DESIGN section 1): loss, advantages, scopes, clipping, KL."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from cwgrpo_megatron.algo.names import (
     ADVANTAGE_ESTIMATORS,
@@ -9,12 +10,22 @@ from cwgrpo_megatron.algo.names import (
     POLICY_LOSSES,
     SCOPE_NAMES,
 )
-from cwgrpo_megatron.common.settings import check_choice, check_range
+from cwgrpo_megatron.common.settings import check_choice, check_options, check_range
 
 
 @dataclass(kw_only=True, frozen=True)
 class AlgoConfig:
-    """The policy-gradient algorithm (DESIGN section 1)."""
+    """The policy-gradient algorithm (DESIGN section 1): what every loss shares, and each
+    loss's own options."""
+
+    MOVED: ClassVar[dict[str, str]] = {
+        "clip_cov_ratio": "algo.options.clip_cov.ratio",
+        "clip_cov_lb": "algo.options.clip_cov.lb",
+        "clip_cov_ub": "algo.options.clip_cov.ub",
+        "kl_cov_ratio": "algo.options.kl_cov.ratio",
+        "kl_cov_coef": "algo.options.kl_cov.coef",
+    }
+    """Keys of earlier versions -> where their value goes now (`config.load_config` names it)."""
 
     policy_loss: str = "cw_grpo"
     """Policy loss: grpo, cw_grpo, clip_cov or kl_cov."""
@@ -49,16 +60,12 @@ class AlgoConfig:
     seq-mean-token-sum-norm."""
     loss_norm_length: int | None = None
     """Constant length L of seq-mean-token-sum-norm (Dr.GRPO): set it to the max response tokens."""
-    clip_cov_ratio: float = 2e-4
-    """clip_cov: fraction of scope tokens whose gradient is detached (Cui et al. 2025)."""
-    clip_cov_lb: float = 1.0
-    """clip_cov: lower bound of the covariance band eligible for detaching."""
-    clip_cov_ub: float = 5.0
-    """clip_cov: upper bound of that band."""
-    kl_cov_ratio: float = 2e-3
-    """kl_cov: fraction of scope tokens, those of largest covariance, given the KL penalty."""
-    kl_cov_coef: float = 1.0
-    """kl_cov: coefficient of |logp - old_logp| on the selected tokens."""
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """{loss name: {option: value}}, the keyword arguments of that loss's constructor, checked
+    against its signature: clip_cov {ratio: 2e-4 (share of the pool's tokens whose gradient
+    is detached), lb: 1.0, ub: 5.0 (the covariance band eligible)}, kl_cov {ratio: 2e-3 (share
+    of the pool's tokens, those of largest covariance, given the penalty), coef: 1.0 (of
+    |logp - old_logp|)} (Cui et al. 2025), or a plugin loss's own (docs/extending.md)."""
     tis_cap: float | None = None
     """Truncated importance sampling for the rollout / trainer mismatch: each token's surrogate
     is multiplied by min(exp(l_old - l_rollout), tis_cap). None disables it; typical: 2."""
@@ -89,14 +96,11 @@ class AlgoConfig:
             raise ValueError(f"algo.log_ratio_clamp={self.log_ratio_clamp} must be > 0")
         if not self.kl_clamp > 0:
             raise ValueError(f"algo.kl_clamp={self.kl_clamp} must be > 0")
-        check_range("algo.clip_cov_ratio", self.clip_cov_ratio, low=0.0, high=1.0)
-        check_range("algo.kl_cov_ratio", self.kl_cov_ratio, low=0.0, high=1.0)
-        check_range("algo.kl_cov_coef", self.kl_cov_coef, low=0.0)
-        if self.clip_cov_lb >= self.clip_cov_ub:
-            raise ValueError(
-                f"algo.clip_cov_lb={self.clip_cov_lb} must be below "
-                f"algo.clip_cov_ub={self.clip_cov_ub}"
-            )
+        # a loss's options may stay in a recipe that an overlay switches away from
+        for name in dict.fromkeys([*self.options, self.policy_loss]):
+            check_choice("algo.options key", name, POLICY_LOSSES.names())
+            options, loss = self.options.get(name, {}), POLICY_LOSSES.get(name)
+            check_options(f"algo.options.{name}", "policy loss", name, loss, options)
         if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_norm_length is None:
             raise ValueError(
                 "algo.loss_agg=seq-mean-token-sum-norm needs algo.loss_norm_length: "

@@ -17,11 +17,14 @@ min(exp(l_old - l_rollout), C) of `rollout_correction.py`; KL is `kl.kl_term`:
 
     grpo      x = -min(rho A,  clip(rho, 1-eps_low, 1+eps_high) A)  + beta KL
     cw_grpo   x = -min(rho A^, clip(rho, 1-eps_low, 1+eps_high) A^) + beta KL,   A^ = w~ A
-    clip_cov  as grpo, but the gradient of a random `clip_cov_ratio` share of the tokens whose
-              covariance c lies in (clip_cov_lb, clip_cov_ub), and whose gradient no clip has
-              already cut, is detached                                      (Cui et al. 2025)
-    kl_cov    x = -rho A + kl_cov_coef |log rho| on exactly the k = max(1, floor(kl_cov_ratio N))
-              tokens of largest c, x = -rho A elsewhere (no ratio clipping)  (Cui et al. 2025)
+    clip_cov  as grpo, but the gradient of a random `ratio` share of the tokens whose
+              covariance c lies in (lb, ub), and whose gradient no clip has already cut, is
+              detached                                                      (Cui et al. 2025)
+    kl_cov    x = -rho A + coef |log rho| on exactly the k = max(1, floor(ratio N)) tokens of
+              largest c, x = -rho A elsewhere (no ratio clipping)            (Cui et al. 2025)
+
+A loss's own settings are its constructor's keyword arguments (algo.options.<name>:
+`build_policy_loss`); the settings every loss shares are `AlgoConfig`'s.
 
 With dual-clip (`clip_ratio_c` = C > 1, Ye et al. 2020) the clipped surrogate of a token with
 A < 0 is further bounded, x = min(x, -C A), so that an exploding rho cannot make it unbounded.
@@ -48,6 +51,7 @@ from cwgrpo_megatron.algo.metrics import (
 from cwgrpo_megatron.algo.names import POLICY_LOSSES
 from cwgrpo_megatron.algo.rollout_correction import rollout_gap_metrics, truncated_is_weight
 from cwgrpo_megatron.algo.scope import Scope
+from cwgrpo_megatron.common.settings import check_range
 
 if TYPE_CHECKING:
     from cwgrpo_megatron.algo.config import AlgoConfig
@@ -213,18 +217,30 @@ def clipped_surrogate(batch: PolicyBatch, adv: Tensor, cfg: AlgoConfig) -> Surro
 
 
 def register_policy_loss(name: str):
-    """Class decorator: registers one instance of the class under `name`."""
+    """Class decorator: registers the class under `name`; its constructor's keyword arguments
+    are the loss's options (algo.options.<name>)."""
 
     def decorator(cls: type[PolicyLoss]) -> type[PolicyLoss]:
         cls.name = name
-        POLICY_LOSSES.register(name)(cls())
+        POLICY_LOSSES.register(name)(cls)
         return cls
 
     return decorator
 
 
-def get_policy_loss(name: str) -> PolicyLoss:
-    return POLICY_LOSSES.get(name)
+def get_policy_loss(name: str, **options) -> PolicyLoss:
+    """A new instance of loss `name`, built with `options`."""
+    return POLICY_LOSSES.get(name)(**options)
+
+
+def build_policy_loss(cfg: AlgoConfig) -> PolicyLoss:
+    """algo.policy_loss built from algo.options.<name>, for built-in and plugin losses alike;
+    a bad option is a ValueError naming the key."""
+    name = cfg.policy_loss
+    try:
+        return get_policy_loss(name, **cfg.options.get(name, {}))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"algo.options.{name}: {err}") from err
 
 
 def _require_stat(batch: PolicyBatch, name: str) -> Tensor:
@@ -268,18 +284,27 @@ class ClipCovLoss(PolicyLoss):
     `actor/clip_cov_frac` counts the picked tokens whose gradient the training pass actually
     removes.
     Communication: 3 `reduce_sum` calls.
+
+    Options: `ratio` (the share of the pool's tokens whose gradient is detached, 2e-4), `lb`
+    and `ub` (the covariance band eligible for it, (1, 5)).
     """
+
+    def __init__(self, *, ratio: float = 2e-4, lb: float = 1.0, ub: float = 5.0) -> None:
+        check_range("ratio", ratio, low=0.0, high=1.0)
+        if not lb < ub:
+            raise ValueError(f"the band's lb={lb} must be below ub={ub}")
+        self.ratio, self.lb, self.ub = ratio, lb, ub
 
     def prepare(self, policy_logp, advantages, mask, *, scope, cfg, old_logp=None, generator=None):
         if generator is None:
             raise ValueError("clip_cov needs a torch.Generator seeded the same on every rank")
         stats = centred_covariance(policy_logp, advantages, mask, scope)
-        band = (mask > 0) & (stats.cov > cfg.clip_cov_lb) & (stats.cov < cfg.clip_cov_ub)
+        band = (mask > 0) & (stats.cov > self.lb) & (stats.cov < self.ub)
         if old_logp is not None:
             ppo, dual = clip_cuts(policy_ratio(policy_logp, old_logp, cfg), advantages, cfg)
             band &= ~(ppo | dual)
         band_count = scope.sums(band.to(stats.cov.dtype))[:, 0]
-        target = torch.floor(cfg.clip_cov_ratio * stats.count).clamp(min=1.0)
+        target = torch.floor(self.ratio * stats.count).clamp(min=1.0)
         prob = (target / band_count.clamp(min=1.0)).clamp(max=1.0)
         key = torch.randint(0, 2**31, (), generator=generator, device=generator.device)
         uniform = token_uniform(scope.token_order(mask.shape[-1]).to(mask.device), key)
@@ -307,13 +332,21 @@ class KLCovLoss(PolicyLoss):
     has exactly k tokens, is deterministic, and is the same at every layout. Both searches run
     on pool counts (`kth_largest`), so they are exact across ranks with only sums:
     2 + 22 + 1 + 18 `reduce_sum` calls of at most 7 scalars per pool, once per step.
+
+    Options: `ratio` (the share of the pool's tokens penalised, 2e-3) and `coef` (the weight
+    of |log rho| on them, 1).
     """
+
+    def __init__(self, *, ratio: float = 2e-3, coef: float = 1.0) -> None:
+        check_range("ratio", ratio, low=0.0, high=1.0)
+        check_range("coef", coef, low=0.0)
+        self.ratio, self.coef = ratio, coef
 
     def prepare(self, policy_logp, advantages, mask, *, scope, cfg, old_logp=None, generator=None):
         stats = centred_covariance(policy_logp, advantages, mask, scope)
         k = torch.where(
             stats.count > 0,
-            torch.floor(cfg.kl_cov_ratio * stats.count).clamp(min=1.0),
+            torch.floor(self.ratio * stats.count).clamp(min=1.0),
             torch.zeros_like(stats.count),
         )
         selected = top_k_tokens(stats, mask, k, scope)
@@ -325,7 +358,7 @@ class KLCovLoss(PolicyLoss):
         selected = _require_stat(batch, self.name)
         log_rho = log_ratio(batch.logp, batch.old_logp, cfg)
         ratio = torch.exp(log_rho)
-        penalty = cfg.kl_cov_coef * log_rho.abs()
+        penalty = self.coef * log_rho.abs()
         return -ratio * batch.advantages + selected * penalty, ratio, {}
 
 

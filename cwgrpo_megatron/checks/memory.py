@@ -69,6 +69,7 @@ def micro_batch_saved_bytes(model, batch, cfg, arch) -> int:
     forward and the train step's loss (`train_step.micro_batch_loss`: vocabulary-parallel
     log-probs and the policy loss). The loss's other inputs are stand-ins (l_old = l_ref = 0,
     w~ = 1): the bytes do not depend on their values."""
+    from cwgrpo_megatron.algo import build_policy_loss
     from cwgrpo_megatron.megatron.cpu import on_cpu
     from cwgrpo_megatron.megatron.train_step import MicroInputs, micro_batch_loss
 
@@ -82,7 +83,12 @@ def micro_batch_saved_bytes(model, batch, cfg, arch) -> int:
     with on_cpu(), saved_activations(model) as counted:
         logits = model(batch.tokens, batch.position_ids, attention_mask=None)
         out = micro_batch_loss(
-            logits, inputs, cfg.algo, temperature=cfg.train.temperature, arch=arch
+            logits,
+            inputs,
+            build_policy_loss(cfg.algo),
+            cfg.algo,
+            temperature=cfg.train.temperature,
+            arch=arch,
         )
         del out
     return counted["bytes"]

@@ -17,6 +17,7 @@ skipped and counted instead.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -33,10 +34,17 @@ from cwgrpo_megatron.data.names import SCHEMAS
 
 @dataclass(frozen=True, kw_only=True)
 class Problem:
+    """One prompt dataset row, as its schema reads it (`SCHEMAS`: a function (row, index) ->
+    Problem, which a plugin may register)."""
+
     id: str
     problem: str
+    """The problem statement (the chat template wraps it into the prompt)."""
     answer: str
+    """The gold answer as text."""
     level: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The whole row as read (every field, those above too): what a reward sees as `extra`."""
 
 
 @dataclass
@@ -259,7 +267,15 @@ def problems_from_rows(
             if not isinstance(row, dict):
                 raise BadRow(f"a row must be a JSON object, got {type(row).__name__}")
             name = detect_schema(row) if schema == "auto" else schema
-            problems.append(SCHEMAS.get(name)(row, where - 1))
+            try:
+                problem = SCHEMAS.get(name)(row, where - 1)
+            except BadRow:
+                raise
+            except Exception as err:  # a plugin's schema: name it and what it said
+                raise BadRow(f"schema {name!r} failed: {type(err).__name__}: {err}") from err
+            if not isinstance(problem, Problem):
+                raise BadRow(f"schema {name!r} returned {type(problem).__name__}, not a Problem")
+            problems.append(problem if problem.extra else dataclasses.replace(problem, extra=row))
         except BadRow as err:
             message = f"{source}:{where}: {err}"
             if not skip_bad_rows:

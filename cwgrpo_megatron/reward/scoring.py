@@ -7,7 +7,7 @@ only, so every completion of the job is scored exactly once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cwgrpo_megatron.reward import WeightedReward
 
@@ -30,6 +30,9 @@ class ScoredGroup:
     """Each reward function's own score of each completion."""
     correct: list[float]
     """math-verify's verdict of each completion (1.0 / 0.0)."""
+    details: dict[str, list[float]] = field(default_factory=dict)
+    """"<reward>/<key>" of each completion: a reward's other named values and its errors
+    (`reward.RewardScores.details`), logged as reward/<reward>/<key>."""
 
 
 def score_groups(
@@ -53,9 +56,15 @@ def score_groups(
     if not texts:
         return []
     sizes = [len(g.completions) for g in groups]
-    answers = [p.answer for p, size in zip(problems, sizes, strict=True) for _ in range(size)]
     lengths = [len(c.token_ids) for g in groups for c in g.completions]
-    scores = reward.score(completions=texts, answers=answers, completion_lengths=lengths)
+    each = [p for p, size in zip(problems, sizes, strict=True) for _ in range(size)]
+    scores = reward.score(
+        completions=texts,
+        answers=[p.answer for p in each],
+        completion_lengths=lengths,
+        prompts=[p.problem for p in each],
+        extra=[p.extra for p in each],
+    )
     out, start = [], 0
     for position, problem, group, size in zip(positions, problems, groups, sizes, strict=True):
         rows = slice(start, start + size)
@@ -69,6 +78,7 @@ def score_groups(
                 texts=texts[rows],
                 rewards=scores.total[rows],
                 parts={name: values[rows] for name, values in scores.parts.items()},
+                details={key: values[rows] for key, values in scores.details.items()},
                 correct=scores.correct[rows],
             )
         )

@@ -177,10 +177,17 @@ def checkpoint_to_resume(cfg: Config, run: RunDir) -> Path | None:
     return path
 
 
-def write_env(run: RunDir, *, layout: dict, hostnames: list[str], layer_spec: str) -> None:
+def write_env(
+    run: RunDir,
+    *,
+    layout: dict,
+    hostnames: list[str],
+    layer_spec: str,
+    plugins: Sequence[dict] = (),
+) -> None:
     """env.json: package versions, Python, the layout and hosts, Megatron's layer spec ("te":
-    Transformer Engine's layers; "local": megatron-core's torch layers, as on CPU) and the
-    commit."""
+    Transformer Engine's layers; "local": megatron-core's torch layers, as on CPU), the
+    commit, and the plugins (`common.plugins.PluginRecord`: entry, file, sha256)."""
     versions = {}
     for name in PACKAGES:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -194,6 +201,7 @@ def write_env(run: RunDir, *, layout: dict, hostnames: list[str], layer_spec: st
         "hostnames": sorted(set(hostnames)),
         "rank_hosts": hostnames,
         "git_revision": _git_revision(),
+        "plugins": list(plugins),
     }
     write_atomic(run.root / "env.json", json.dumps(env, indent=2) + "\n")
 

@@ -2,6 +2,9 @@
 
     reward/mean, reward/std           weighted reward over all P x G completions (population std)
     reward/<name>                     each reward function's own mean score
+    reward/<name>/<key>               a reward's other named values (a dict per completion),
+                                      and reward/<name>/errors: the share it failed to score
+                                      (reward.on_error=zero)
     accuracy/mean                     share of completions math-verify finds correct
     response_length/mean, /max        completion tokens
     response_length/clip_ratio        share of completions cut at rollout.max_tokens
@@ -73,6 +76,10 @@ def rollout_metrics(groups) -> dict[str, float]:
     }
     for name in groups[0].parts if groups else ():
         out[f"reward/{name}"] = _mean([x for g in groups for x in g.parts[name]])
+    for key in sorted({k for g in groups for k in g.details}):
+        # a key some groups lack (errors counted with reward.on_error=zero) is 0 there
+        values = [x for g in groups for x in g.details.get(key, [0.0] * len(g.rewards))]
+        out[f"reward/{key}"] = _mean(values)
     return out
 
 

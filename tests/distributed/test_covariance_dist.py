@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
+from cwgrpo_megatron.algo import PolicyBatch, build_policy_loss, get_policy_loss
 from cwgrpo_megatron.comm import (
     LayoutDependentWarning,
     global_scope,
@@ -207,8 +207,8 @@ def _kl_cov_worker(rank, world, bounds):
     scope = global_scope(
         local.shape[0], group=group, row_order=torch.arange(bounds[rank], bounds[rank + 1])
     )
-    cfg = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.1)
-    prepared = get_policy_loss("kl_cov").prepare(logp[rows], adv[rows], local, scope=scope, cfg=cfg)
+    cfg = AlgoConfig(policy_loss="kl_cov", options={"kl_cov": {"ratio": 0.1}})
+    prepared = build_policy_loss(cfg).prepare(logp[rows], adv[rows], local, scope=scope, cfg=cfg)
     return {"rows": (bounds[rank], bounds[rank + 1]), "selected": prepared.token_stat.tolist()}
 
 

@@ -276,7 +276,11 @@ def test_clip_cov_picks_the_same_tokens_at_every_layout():
     off-policy (the band then excludes tokens PPO clipped). kl_cov's tie-break by the same
     order is tested across ranks in test_covariance_dist.py."""
     loss, picked = "clip_cov", "actor/clip_cov_frac"
-    overrides = [f"algo.policy_loss={loss}", "algo.clip_cov_ratio=0.05", "algo.clip_cov_lb=0.05"]
+    overrides = [
+        f"algo.policy_loss={loss}",
+        "algo.options.clip_cov.ratio=0.05",
+        "algo.options.clip_cov.lb=0.05",
+    ]
     ref = layout("tp1-pp1-dp1-mb4", overrides, mini_batches=2)
     assert all(m[picked] > 0 for m in ref["metrics"]), [m[picked] for m in ref["metrics"]]
     grpo = layout("tp1-pp1-dp1-mb4", ["algo.policy_loss=grpo"], mini_batches=2)

@@ -45,7 +45,7 @@ ASYNC = (
     "rollout.async_steps=1",
     "data.max_prompt_tokens=32",
     "rollout.max_tokens=32",
-    "reward.cosine_max_len=32",
+    "reward.options.cosine_length.max_len=32",
     "run.verify_sync=1",
     "run.trace_engine=true",
 )

@@ -150,3 +150,33 @@ def test_evaluate_takes_a_megatron_checkpoint(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "converting the Megatron checkpoint" in done.stdout
     assert json.loads(out.read_text())["summary"]["amc23"]["problems"] == 3
+
+
+def test_evaluate_scores_a_plugin_benchmark_with_its_scorer(short_model, tmp_path):
+    """examples/plugins/toy_benchmark.py: its schema reads the JSONL file, integer_answer
+    scores it, and a shipped benchmark beside it keeps math-verify."""
+    from cwgrpo_megatron.reward import first_integer
+
+    out = tmp_path / "toy.json"
+    plugin = ROOT / "examples" / "plugins" / "toy_benchmark.py"
+    cmd = _evaluate_cmd(short_model, out, "--engine", "torch", "--plugin", str(plugin))
+    cmd += [
+        "--benchmarks",
+        "toy_sums,aime24",
+        "--limit",
+        "3",
+        "--n",
+        "2",
+        "--max-model-len",
+        "1536",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["summary"]["toy_sums"]["problems"] == 3
+    toy = [s for s in result["samples"] if s["benchmark"] == "toy_sums"]
+    assert len(toy) == 6 and {s["answer"] for s in toy} == {"74", "30", "50"}
+    for sample in toy:
+        expected = float(first_integer(sample["completion"]) == int(sample["answer"]))
+        assert sample["score"] == expected, sample
+    assert result["settings"]["plugin"] == [str(plugin)]

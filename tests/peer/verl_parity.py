@@ -136,7 +136,7 @@ def splits(rows: int, parts: int) -> list[slice]:
 
 def ours(name, cfg, logp, old, adv, mask, parts, *, ref=None, per_micro_batch=False):
     """(value, grad w.r.t. logp, finalized metrics) of our loss over `parts` micro-batches."""
-    loss = get_policy_loss(name)
+    loss = get_policy_loss(name, **cfg.options.get(name, {}))
     cuts = splits(mask.shape[0], parts)
     if per_micro_batch:
         index = torch.zeros(mask.shape[0], dtype=torch.long)
@@ -319,14 +319,18 @@ def cov_rows(core, dtype) -> list[Row]:
     logp, adv = logp * 2.0, adv * 2.0  # covariances of order 1-10, inside Cui et al.'s band
     # 3 micro-batches, not 4: a micro-batch that is exactly the all-equal group would tie
     for parts in (1, 2, 3):
-        cfg = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.02, cov_scope="micro_batch")
+        cfg = AlgoConfig(
+            policy_loss="kl_cov", options={"kl_cov": {"ratio": 0.02}}, cov_scope="micro_batch"
+        )
         acfg = actor_config(kl_cov_ratio=0.02)
         v, g, _ = ours("kl_cov", cfg, logp, old, adv, mask, parts, per_micro_batch=True)
         tv, tg, _ = theirs(core, "kl_cov", acfg, logp, old, adv, mask, parts)
         rows.append(_compare(f"kl_cov, {parts} mb: loss", v, tv, dtype))
         rows.append(_compare(f"kl_cov, {parts} mb: grad", g, tg, dtype))
         # clip_cov with every band token picked (ratio 1); off-policy, so PPO clips some
-        cfg = AlgoConfig(policy_loss="clip_cov", clip_cov_ratio=1.0, cov_scope="micro_batch")
+        cfg = AlgoConfig(
+            policy_loss="clip_cov", options={"clip_cov": {"ratio": 1.0}}, cov_scope="micro_batch"
+        )
         acfg = actor_config(clip_cov_ratio=1.0)
         v, g, m = ours("clip_cov", cfg, logp, old, adv, mask, parts, per_micro_batch=True)
         tv, tg, tm = theirs(core, "clip_cov", acfg, logp, old, adv, mask, parts)
@@ -347,7 +351,9 @@ def cov_rows(core, dtype) -> list[Row]:
             )
     # every covariance ties (A = 0): both must take exactly k = floor(ratio N) tokens
     tied = torch.zeros_like(adv)
-    cfg = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.1, cov_scope="micro_batch")
+    cfg = AlgoConfig(
+        policy_loss="kl_cov", options={"kl_cov": {"ratio": 0.1}}, cov_scope="micro_batch"
+    )
     _, g, _ = ours("kl_cov", cfg, logp, old, tied, mask, 1, per_micro_batch=True)
     _, tg, _ = theirs(core, "kl_cov", actor_config(kl_cov_ratio=0.1), logp, old, tied, mask, 1)
     # with A = 0 a token's gradient is the penalty's, non-zero exactly where it is selected

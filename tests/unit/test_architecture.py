@@ -26,6 +26,7 @@ find_cycle = ARCH["find_cycle"]
 # registries, atomic writes (dump_config), and a model's description (json and arithmetic)
 # for model.arch's check
 SETTINGS_ALLOWED = {
+    "cwgrpo_megatron.common.plugins",
     "cwgrpo_megatron.common.settings",
     "cwgrpo_megatron.common.registry",
     "cwgrpo_megatron.common.files",

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
+from cwgrpo_megatron.algo import PolicyBatch, build_policy_loss
 from cwgrpo_megatron.algo.covariance import centred_covariance
 from cwgrpo_megatron.algo.draws import token_uniform
 from cwgrpo_megatron.algo.kl import kl_term
@@ -21,7 +21,7 @@ from tests.unit.test_losses import big_cov_batch, make_batch, run_loss
 
 def kl_cov_selection(cfg, logp, adv, mask, scope=None):
     scope = scope or single_pool(mask.shape[0])
-    prepared = get_policy_loss("kl_cov").prepare(logp, adv, mask, scope=scope, cfg=cfg)
+    prepared = build_policy_loss(cfg).prepare(logp, adv, mask, scope=scope, cfg=cfg)
     return prepared.token_stat > 0, finalize(prepared.metrics)
 
 
@@ -31,7 +31,7 @@ def kl_cov_selection(cfg, logp, adv, mask, scope=None):
 @pytest.mark.parametrize("adv_value", [0.0, 1.7], ids=["A=0", "A=const"])
 def test_kl_cov_takes_exactly_k_from_a_pool_without_spread(adv_value):
     """All advantages equal: c = 0 on every token, all tie; the first k in order are taken."""
-    cfg = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.1)
+    cfg = AlgoConfig(policy_loss="kl_cov", options={"kl_cov": {"ratio": 0.1}})
     logp, _, _, _, _ = make_batch(seed=1, b=8, s=10)
     mask = torch.ones(8, 10, dtype=torch.float64)  # 80 counted tokens
     adv = torch.full_like(mask, adv_value) * mask
@@ -43,7 +43,7 @@ def test_kl_cov_takes_exactly_k_from_a_pool_without_spread(adv_value):
 
 def test_kl_cov_breaks_partial_ties_at_the_threshold_in_token_order():
     """Three values of c; k falls inside the run of tokens tied at the middle one."""
-    cfg = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.25)
+    cfg = AlgoConfig(policy_loss="kl_cov", options={"kl_cov": {"ratio": 0.25}})
     mask = torch.ones(4, 10, dtype=torch.float64)
     mask[2, 7:] = 0.0  # 37 tokens, k = 9
     logp = torch.zeros(4, 10, dtype=torch.float64)
@@ -61,7 +61,7 @@ def test_kl_cov_breaks_partial_ties_at_the_threshold_in_token_order():
 
 
 def test_kl_cov_without_ties_equals_topk():
-    cfg = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.05)
+    cfg = AlgoConfig(policy_loss="kl_cov", options={"kl_cov": {"ratio": 0.05}})
     logp, old, _, adv, mask = big_cov_batch(seed=5)
     stats = centred_covariance(old, adv, mask, single_pool(mask.shape[0]))
     k = max(1, math.floor(0.05 * float(mask.sum())))
@@ -71,7 +71,7 @@ def test_kl_cov_without_ties_equals_topk():
 
 def test_kl_cov_exact_k_per_pool_in_the_group_scope():
     """Per-prompt pools, one of them with all-equal rewards: k of each pool, ties in order."""
-    cfg = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.2, cov_scope="group")
+    cfg = AlgoConfig(policy_loss="kl_cov", options={"kl_cov": {"ratio": 0.2}}, cov_scope="group")
     logp, _, _, adv, mask = make_batch(seed=6, b=9, s=10)
     mask[-1, :3] = 1.0
     adv[3:6] = 0.5 * mask[3:6]  # prompt 1: equal rewards, c = 0 everywhere
@@ -138,7 +138,7 @@ def test_dual_clip_bounds_negative_advantage_tokens():
 
 @pytest.mark.parametrize("name", ["cw_grpo", "clip_cov"])
 def test_dual_clip_applies_to_the_clipped_losses(name):
-    cfg = AlgoConfig(policy_loss=name, clip_ratio_c=2.0, clip_cov_ratio=0.05)
+    cfg = AlgoConfig(policy_loss=name, clip_ratio_c=2.0, options={"clip_cov": {"ratio": 0.05}})
     logp, old, ref, adv, mask = big_cov_batch(seed=7)
     logp = old + 1.5 * torch.randn(
         logp.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64
@@ -222,16 +222,20 @@ def test_clip_cov_band_excludes_clipped_tokens_off_policy():
     """A later mini-batch: the policy being updated differs from the sampler, so PPO clips some
     band tokens; clip_cov must not spend its picks on them, and counts only real removals."""
     cfg = AlgoConfig(
-        policy_loss="clip_cov", clip_cov_ratio=1.0, clip_eps_low=0.1, clip_eps_high=0.1
+        policy_loss="clip_cov",
+        options={"clip_cov": {"ratio": 1.0}},
+        clip_eps_low=0.1,
+        clip_eps_high=0.1,
     )
     _, old, ref, adv, mask = big_cov_batch(seed=3)
     gen = torch.Generator().manual_seed(11)
     policy = old + 0.3 * torch.randn(old.shape, generator=gen, dtype=torch.float64)
     stats = centred_covariance(policy, adv, mask, single_pool(mask.shape[0]))
-    band = (mask > 0) & (stats.cov > cfg.clip_cov_lb) & (stats.cov < cfg.clip_cov_ub)
+    loss = build_policy_loss(cfg)
+    band = (mask > 0) & (stats.cov > loss.lb) & (stats.cov < loss.ub)
     ppo, _ = clip_cuts(torch.exp(policy - old), adv, cfg)
     assert (band & ppo).sum() > 5 and (band & ~ppo).sum() > 5, "a partially clipped band"
-    prepared = get_policy_loss("clip_cov").prepare(
+    prepared = build_policy_loss(cfg).prepare(
         policy,
         adv,
         mask,
@@ -252,7 +256,7 @@ def test_clip_cov_band_excludes_clipped_tokens_off_policy():
     frac = float(finalize(out.metrics)["actor/clip_cov_frac"])
     assert frac == pytest.approx(float((band & ~ppo).sum() / mask.sum()))
     # on-policy (old_logp omitted: rho = 1) nothing is clipped, so the whole band is eligible
-    on_policy = get_policy_loss("clip_cov").prepare(
+    on_policy = build_policy_loss(cfg).prepare(
         policy,
         adv,
         mask,
@@ -271,7 +275,7 @@ def test_clip_cov_frac_counts_only_tokens_whose_gradient_was_removed():
     old = torch.zeros(1, 4, dtype=torch.float64)
     logp = torch.tensor([[0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)  # token 0 is clipped
     keep = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
-    out = get_policy_loss("clip_cov")(
+    out = build_policy_loss(cfg)(
         PolicyBatch(logp=logp, old_logp=old, advantages=adv, mask=mask, token_stat=keep), cfg
     )
     assert float(finalize(out.metrics)["actor/clip_cov_frac"]) == pytest.approx(0.25)

@@ -73,6 +73,7 @@ def rollout_metrics_zero_std(groups) -> float:
             correct=[0.0] * len(g.rewards),
             texts=["x"] * len(g.rewards),
             parts={},
+            details={},
         )
         for g in groups
     ]

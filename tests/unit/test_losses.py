@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from cwgrpo_megatron.algo import PolicyBatch, get_policy_loss
+from cwgrpo_megatron.algo import PolicyBatch, build_policy_loss, get_policy_loss
 from cwgrpo_megatron.algo.aggregation import get_loss_aggregation
 from cwgrpo_megatron.algo.covariance import centred_covariance
 from cwgrpo_megatron.algo.kl import get_kl_estimator
@@ -41,7 +41,7 @@ def make_batch(seed=0, b=6, s=10):
 
 
 def run_loss(name, cfg, logp, old, ref, adv, mask, token_stat=None, generator=None):
-    loss = get_policy_loss(name)
+    loss = get_policy_loss(name, **cfg.options.get(name, {}))
     if token_stat is None:
         token_stat = loss.prepare(
             old, adv, mask, scope=single_pool(mask.shape[0]), cfg=cfg, generator=generator
@@ -130,21 +130,22 @@ def big_cov_batch(seed=3, b=16, s=64):
 
 
 def test_clip_cov_detaches_band_tokens_only():
-    cfg = AlgoConfig(policy_loss="clip_cov", clip_cov_ratio=0.05)
+    cfg = AlgoConfig(policy_loss="clip_cov", options={"clip_cov": {"ratio": 0.05}})
     logp, old, ref, adv, mask = big_cov_batch()
     stats = centred_covariance(old, adv, mask, single_pool(mask.shape[0]))
-    band = (mask > 0) & (stats.cov > cfg.clip_cov_lb) & (stats.cov < cfg.clip_cov_ub)
+    loss = build_policy_loss(cfg)
+    band = (mask > 0) & (stats.cov > loss.lb) & (stats.cov < loss.ub)
     assert band.sum() > 20
     gen = torch.Generator().manual_seed(0)
     keep = (
-        get_policy_loss("clip_cov")
+        build_policy_loss(cfg)
         .prepare(old, adv, mask, scope=single_pool(mask.shape[0]), cfg=cfg, generator=gen)
         .token_stat
     )
     detached = keep == 0
     assert detached.sum() > 0
     assert torch.all(band[detached]), "only tokens inside the covariance band are detached"
-    expected = max(1.0, float(torch.floor(cfg.clip_cov_ratio * mask.sum())))
+    expected = max(1.0, float(torch.floor(loss.ratio * mask.sum())))
     assert abs(detached.sum().item() - expected) < 4 * expected**0.5 + 1
     # the gradient is that of the grpo loss with the detached tokens' gradient removed
     value, grad, _ = run_loss("clip_cov", cfg, logp, old, ref, adv, mask, token_stat=keep)
@@ -152,29 +153,28 @@ def test_clip_cov_detaches_band_tokens_only():
     torch.testing.assert_close(value, grpo_value)
     torch.testing.assert_close(grad, torch.where(detached, 0.0, grpo_grad))
     with pytest.raises(ValueError, match="torch.Generator"):
-        get_policy_loss("clip_cov").prepare(
-            old, adv, mask, scope=single_pool(mask.shape[0]), cfg=cfg
-        )
+        build_policy_loss(cfg).prepare(old, adv, mask, scope=single_pool(mask.shape[0]), cfg=cfg)
 
 
 def test_kl_cov_selects_top_k_and_matches_reference():
-    cfg = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.02, kl_cov_coef=0.5)
+    cfg = AlgoConfig(policy_loss="kl_cov", options={"kl_cov": {"ratio": 0.02, "coef": 0.5}})
     logp, old, ref, adv, mask = big_cov_batch(seed=4)
     sel = mask > 0
     c = (old - old[sel].mean()) * (adv - adv[sel].mean())
-    k = int(max(1, int(cfg.kl_cov_ratio * sel.sum())))
+    loss = build_policy_loss(cfg)
+    k = int(max(1, int(loss.ratio * sel.sum())))
     top = torch.zeros_like(mask, dtype=torch.bool)
     flat_idx = torch.nonzero(sel.reshape(-1)).squeeze(-1)
     top.view(-1)[flat_idx[torch.topk(c[sel], k).indices]] = True
     value, grad, _ = run_loss("kl_cov", cfg, logp, old, ref, adv, mask)
     selected = (
-        get_policy_loss("kl_cov")
+        build_policy_loss(cfg)
         .prepare(old, adv, mask, scope=single_pool(mask.shape[0]), cfg=cfg)
         .token_stat
     )
     assert torch.equal(selected > 0, top)
     leaf = logp.clone().requires_grad_()
-    per_token = -torch.exp(leaf - old) * adv + cfg.kl_cov_coef * (leaf - old).abs() * top
+    per_token = -torch.exp(leaf - old) * adv + loss.coef * (leaf - old).abs() * top
     ref_value = (per_token * mask).sum() / mask.sum()
     ref_value.backward()
     torch.testing.assert_close(value, ref_value.detach())

@@ -106,7 +106,32 @@ def test_an_algorithm_file_overlays_a_recipe_and_changes_its_algorithm_alone(rec
         pytest.param(["run.keep_last=0"], "run.keep_last=0 is out of range", id="keep"),
         pytest.param(["logging.wandb_mode=cloud"], "disabled, offline, online", id="wandb"),
         pytest.param(["model.chat_template=chatml"], "auto, qwen2.5", id="template"),
-        pytest.param(["reward.repetition_max_penalty=1"], "must be <= 0", id="penalty"),
+        pytest.param(
+            ["reward.repetition_max_penalty=1"],
+            "is now reward.options.repetition.max_penalty: write reward.options.repetition.max_",
+            id="moved-reward",
+        ),
+        pytest.param(
+            ["reward.options.cosine_length.max_lenn=3"],
+            "reward.options.cosine_length.max_lenn: reward 'cosine_length' has no option "
+            "'max_lenn'; it accepts: max_len, min_value_correct",
+            id="misspelt-option",
+        ),
+        pytest.param(
+            ["algo.options.kl_cov.ratioo=0.1"],
+            "policy loss 'kl_cov' has no option 'ratioo'; it accepts: ratio, coef",
+            id="misspelt-loss-option",
+        ),
+        pytest.param(
+            ["reward.options.overlong.max_tokens=3"],
+            "reward 'overlong' gets max_tokens from rollout.max_tokens; remove it here",
+            id="provided-option",
+        ),
+        pytest.param(
+            ["reward.options.lenght={a: 1}"],
+            "reward.options key='lenght' is not allowed",
+            id="opt-name",
+        ),
         pytest.param(
             ["algo.policy_loss=ppo"],
             "algo.policy_loss='ppo' is not allowed; choose one of: clip_cov, cw_grpo, grpo, kl_cov",
@@ -123,7 +148,7 @@ def test_an_algorithm_file_overlays_a_recipe_and_changes_its_algorithm_alone(rec
         pytest.param(
             ["algo.loss_agg=seq-mean-token-sum-norm"], "needs algo.loss_norm_length", id="drgrpo"
         ),
-        pytest.param(["algo.clip_cov_lb=6"], "must be below", id="band"),
+        pytest.param(["algo.clip_cov_lb=6"], "is now algo.options.clip_cov.lb", id="moved"),
         pytest.param(["algo"], "must look like section.key=value", id="no-equals"),
     ],
 )

@@ -57,8 +57,11 @@ def test_overlong_penalty_is_dapos_linear_ramp_at_its_boundaries():
     expected = [0.0, 0.0, 0.0, -0.025, -0.25, -0.475, -0.5, -0.5, -0.5]
     assert scores == pytest.approx(expected)
     # as a part of a weighted sum: format's 1 (one "\n</think>\n") plus 2 x the penalty
-    both = WeightedReward({"format": 1.0, "overlong": 2.0}, overlong=dict(
-        max_tokens=100, buffer_tokens=20, penalty=0.5))  # fmt: skip
+    both = WeightedReward(
+        {"format": 1.0, "overlong": 2.0},
+        options={"overlong": dict(buffer_tokens=20, penalty=0.5)},
+        max_tokens=100,
+    )
     done = "reasoning\n</think>\nthe answer"
     assert both(completions=[done, done], answers=["1", "1"], completion_lengths=[50, 90]) == [
         1.0,
@@ -70,23 +73,29 @@ def test_overlong_settings_that_cannot_work_are_refused():
     from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.reward import build_reward
 
-    with pytest.raises(ValueError, match=r"overlong buffer of 0 tokens must be in \[1, max_tok"):
+    with pytest.raises(ValueError, match=r"buffer_tokens=0 must be in \[1, max_tokens=100\]"):
         get_reward("overlong", max_tokens=100, buffer_tokens=0)
     with pytest.raises(ValueError, match="overlong penalty must be >= 0"):
         get_reward("overlong", max_tokens=100, buffer_tokens=10, penalty=-1.0)
     reward = get_reward("overlong", max_tokens=100, buffer_tokens=10)
     with pytest.raises(ValueError, match="overlong needs completion_lengths="):
         reward(completions=["x"], answers=["1"])
-    with pytest.raises(ValueError, match="reward.overlong_buffer_tokens=600 exceeds rollout.max"):
-        load_config(
-            overrides=[
-                "reward.weights={accuracy: 1.0, overlong: 1.0}",
-                "reward.overlong_buffer_tokens=600",
-                "rollout.max_tokens=512",
-            ]
-        )
+    too_long = load_config(
+        overrides=[
+            "reward.weights={accuracy: 1.0, overlong: 1.0}",
+            "reward.options.overlong.buffer_tokens=600",
+            "rollout.max_tokens=512",
+        ]
+    )
+    with pytest.raises(ValueError, match=r"reward.options.overlong: buffer_tokens=600 must be in "):
+        build_reward(too_long.reward, max_tokens=too_long.rollout.max_tokens)
+    penalty = load_config(
+        overrides=["reward.weights={repetition: 1.0}", "reward.options.repetition.max_penalty=1"]
+    )
+    with pytest.raises(ValueError, match=r"reward.options.repetition: max_penalty must be <= 0"):
+        build_reward(penalty.reward)
     cfg = load_config(overrides=["reward.weights={format: 1.0, overlong: 1.0}"])
-    with pytest.raises(ValueError, match="the overlong reward needs the completion limit"):
+    with pytest.raises(ValueError, match="reward 'overlong' needs max_tokens"):
         build_reward(cfg.reward)
     with build_reward(cfg.reward, max_tokens=cfg.rollout.max_tokens) as reward:
         limit = cfg.rollout.max_tokens
