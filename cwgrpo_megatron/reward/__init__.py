@@ -38,7 +38,7 @@ from typing import Any
 from cwgrpo_megatron.common.settings import signature_options
 from cwgrpo_megatron.reward.config import ON_ERROR, RewardConfig
 from cwgrpo_megatron.reward.names import REWARDS, VERIFIERS
-from cwgrpo_megatron.reward.pool import TimeoutPool
+from cwgrpo_megatron.reward.pool import TimedCalls, TimeoutPool
 from cwgrpo_megatron.reward.repetition import repeated_ngram_fraction
 from cwgrpo_megatron.reward.verify import VerifyStats, verify_one
 
@@ -333,8 +333,9 @@ class WeightedReward(Reward):
 
     `options[name]` go to reward `name`'s constructor, and so do `workers`, `timeout_s` (the
     math-verify pool's) and `max_tokens` (rollout.max_tokens) where its signature names them
-    (`make_reward`). A part that raises stops the scoring with a `RewardError` naming it, or
-    with `on_error="zero"` scores its completions 0 and counts them (`details`).
+    (`make_reward`). A part that raises, or with `call_timeout_s` overruns it, stops the
+    scoring with a `RewardError` naming it, or with `on_error="zero"` scores its completions 0
+    and counts them (`details`).
     """
 
     def __init__(
@@ -347,6 +348,7 @@ class WeightedReward(Reward):
         max_tokens: int | None = None,
         verifier: str = "accuracy",
         on_error: str = "raise",
+        call_timeout_s: float | None = None,
     ) -> None:
         if not weights:
             raise ValueError("weights must name at least one reward")
@@ -361,6 +363,8 @@ class WeightedReward(Reward):
         else:
             self.verifier = get_reward(verifier)
         self.on_error = on_error
+        self.call_timeout_s = call_timeout_s
+        self._timed: dict[str, TimedCalls] = {}
         options = options or {}
         provided = dict(workers=workers, timeout_s=timeout_s, max_tokens=max_tokens)
         self.parts = {}
@@ -415,7 +419,7 @@ class WeightedReward(Reward):
         parts, details = {}, {}
         for name, (_, reward) in self.parts.items():
             try:
-                parts[name], named = _scores(name, reward(**batch, correct=correct), count)
+                parts[name], named = _scores(name, self._call(name, reward, batch, correct), count)
             except Exception as err:  # user code: name it, keep its traceback as the cause
                 if self.on_error == "raise":
                     raise RewardError(
@@ -428,6 +432,12 @@ class WeightedReward(Reward):
         for name, (weight, _) in self.parts.items():
             total = [t + weight * s for t, s in zip(total, parts[name], strict=True)]
         return RewardScores(total=total, parts=parts, correct=list(correct or []), details=details)
+
+    def _call(self, name: str, reward, batch: dict, correct):
+        if self.call_timeout_s is None:
+            return reward(**batch, correct=correct)
+        timed = self._timed.setdefault(name, TimedCalls(self.call_timeout_s))
+        return timed(reward, **batch, correct=correct)
 
     def close(self) -> None:
         self.verifier.close()
@@ -474,6 +484,7 @@ def build_reward(
         max_tokens=max_tokens,
         verifier=cfg.verifier,
         on_error=cfg.on_error,
+        call_timeout_s=cfg.call_timeout_s,
     )
 
 

@@ -42,8 +42,14 @@ class RewardConfig:
     lists the built-ins' options). A reward gets workers, timeout_s and max_tokens from the
     run (`PROVIDED`), not from here."""
     on_error: str = "raise"
-    """A reward that raises or overruns reward.timeout_s: raise (stop the run, naming the
-    reward) or zero (score its completions 0 and count them in reward/<name>/errors)."""
+    """A reward call that raises or overruns reward.call_timeout_s: raise (stop the run,
+    naming the reward) or zero (score its completions 0 and count them in
+    reward/<name>/errors)."""
+    call_timeout_s: float | None = None
+    """Wall-clock limit of each reward's call in training (one per generation round, over a
+    replica's completions), run in a thread of its own; None: no limit. An overrun call is
+    left running and counts as failed (reward.on_error), and so do that reward's calls until
+    it returns."""
     verifier: str = "accuracy"
     """What decides a completion is correct (accuracy/mean, evaluation, and the parts that read
     the verdict): accuracy (math-verify on the last \\boxed{}) or integer_answer (the first
@@ -60,6 +66,8 @@ class RewardConfig:
         check_range("reward.timeout_s", self.timeout_s, low=0.001)
         check_range("reward.workers", self.workers, low=0)
         check_choice("reward.on_error", self.on_error, ON_ERROR)
+        if self.call_timeout_s is not None:
+            check_range("reward.call_timeout_s", self.call_timeout_s, low=0.001)
         # a reward's options may stay in a recipe whose overlay weighs other rewards
         for name in dict.fromkeys([*self.options, *self.weights]):
             check_choice("reward.options key", name, REWARDS.names())

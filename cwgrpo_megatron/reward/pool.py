@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -164,3 +165,39 @@ class TimeoutPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class CallTimeout(TimeoutError):
+    """A timed call did not return within its limit (or one that did not is still running)."""
+
+
+class TimedCalls:
+    """Calls of a function under a wall-clock limit, each in a daemon thread: a call past
+    `timeout_s` raises `CallTimeout` and is left running (a thread cannot be stopped), and
+    while it runs, later calls raise `CallTimeout` at once, so that the function never runs
+    twice at the same time. A call that raises re-raises here."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._overrun: threading.Thread | None = None
+
+    def __call__(self, fn: Callable, /, **kwargs) -> Any:
+        if self._overrun is not None and self._overrun.is_alive():
+            raise CallTimeout(f"its call that overran {self.timeout_s} s is still running")
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = fn(**kwargs)
+            except BaseException as err:  # handed to the caller's thread
+                outcome["error"] = err
+
+        thread = threading.Thread(target=run, name="timed-reward-call", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            self._overrun = thread
+            raise CallTimeout(f"it did not return within {self.timeout_s} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from cwgrpo_megatron.eval.benchmarks import SHIPPED
 from cwgrpo_megatron.eval.config import EvalConfig
 from cwgrpo_megatron.eval.metrics import pass_at_k
 from cwgrpo_megatron.eval.names import SHIPPED_BENCHMARKS as BENCHMARKS
-from cwgrpo_megatron.eval.benchmarks import SHIPPED
 from cwgrpo_megatron.eval.runner import benchmark_source, load_benchmarks
 from cwgrpo_megatron.eval.standalone import Lengths, engine_config, resolve_lengths
 

@@ -299,3 +299,62 @@ def test_a_plugin_benchmark_is_loaded_by_name_and_scored_by_its_scorer():
     with get_reward("format") as default:  # what a benchmark without a scorer would use
         scores = _score(default, scorers, chunk, problems, ["74", "so 31", "30", "30!"], 2)
     assert scores == [1.0, 0.0, 1.0, 1.0] and list(scorers) == ["integer_answer"]
+
+
+@pytest.mark.parametrize("on_error", ["raise", "zero"])
+def test_a_reward_call_past_its_time_limit_fails_and_is_not_called_again_while_it_runs(
+    tmp_path, on_error
+):
+    import threading
+
+    from cwgrpo_megatron.reward import RewardError, build_reward
+
+    name = fresh("slow")
+    path = write_plugin(
+        tmp_path,
+        f"""
+        import threading
+        from cwgrpo_megatron.reward import Reward, register_reward
+
+        RELEASE = threading.Event()
+        CALLS = []
+
+        @register_reward("{name}")
+        class Slow(Reward):
+            def __call__(self, *, completions, **_):
+                CALLS.append(list(completions))
+                if "slow" in completions:
+                    RELEASE.wait(30)
+                return [1.0] * len(completions)
+        """,
+    )
+    (record,) = load_plugins([str(path)])
+    import sys
+
+    module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == record.file)
+    cfg = load_config(
+        overrides=[
+            f"reward.weights={{{name}: 1.0}}",
+            f"reward.on_error={on_error}",
+            "reward.call_timeout_s=0.3",
+            "reward.verifier=integer_answer",
+        ],
+        plugins=[str(path)],
+    ).reward
+    with build_reward(cfg) as reward:
+        assert reward.score(completions=["a"], answers=["1"]).parts[name] == [1.0]
+        if on_error == "raise":
+            with pytest.raises(RewardError, match=r"CallTimeout: it did not return within 0.3 s"):
+                reward.score(completions=["slow"], answers=["1"])
+        else:
+            out = reward.score(completions=["slow"], answers=["1"])
+            assert out.parts[name] == [0.0] and out.details[f"{name}/errors"] == [1.0]
+            # still running: the next call fails at once, without calling the reward
+            out = reward.score(completions=["b", "c"], answers=["1", "1"])
+            assert out.details[f"{name}/errors"] == [1.0, 1.0]
+            assert module.CALLS == [["a"], ["slow"]]
+        module.RELEASE.set()
+        for thread in threading.enumerate():
+            if thread.name == "timed-reward-call":
+                thread.join(5)
+        assert reward.score(completions=["d"], answers=["1"]).parts[name] == [1.0]
