@@ -200,7 +200,8 @@ class Rollouts:
         stack: contextlib.ExitStack,
     ) -> Rollouts:
         """Start each replica's engine on its owner (from model.path; a Megatron start
-        checkpoint is exported to the run folder first) and its reward workers. The engine's
+        checkpoint is exported to the run folder first) and its reward (`reward.build_reward`;
+        a constructor that refuses its options stops every rank). The engine's
         shutdown goes on `engines` as soon as it runs, the workers' on `stack`, so that a
         failure after either still releases it. The engine's model is checked against the
         trainer's on every node before step 1. With run.trace_engine the engine's calls go to
@@ -219,10 +220,12 @@ class Rollouts:
                     engine = TracedEngine(engine, run.engine_calls, replica=replica)
             if cores is not None:  # after the engines started: they inherit no trainer mask
                 _bind_trainer(cores, rank, engine=engine is not None)
-        if replica is not None:
-            workers = _reward_workers(replicas, rank)
-            reward = build_reward(cfg.reward, workers=workers, max_tokens=cfg.rollout.max_tokens)
-            stack.callback(reward.close)
+            if replica is not None:  # a reward's constructor may refuse its options
+                workers = _reward_workers(replicas, rank)
+                reward = build_reward(
+                    cfg.reward, workers=workers, max_tokens=cfg.rollout.max_tokens
+                )
+                stack.callback(reward.close)
         return cls(
             rollout=cfg.rollout,
             train=cfg.train,

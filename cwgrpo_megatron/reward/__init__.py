@@ -392,26 +392,19 @@ class WeightedReward(Reward):
         loop logs accuracy whatever the reward is made of). `prompts` and `extra` (the problem
         statement and the problem's whole row, one per completion) reach every part."""
         correct = self.verifier(completions=completions, answers=answers)
-        batch = dict(
-            completions=completions,
-            answers=answers,
-            completion_lengths=completion_lengths,
-            prompts=prompts,
-            extra=extra,
-        )
+        batch = dict(completions=completions, answers=answers)
+        batch.update(completion_lengths=completion_lengths, prompts=prompts, extra=extra)
         return self._combine(batch, correct)
 
-    def __call__(self, *, completions, answers, completion_lengths=None, **fields) -> list[float]:
+    def __call__(
+        self, *, completions, answers, completion_lengths=None, prompts=None, extra=None, **_
+    ) -> list[float]:
+        """The weighted sum alone; the verdict only when a part reads it."""
         correct = None
         if any(reward.needs_correct for _, reward in self.parts.values()):
             correct = self.verifier(completions=completions, answers=answers)
-        batch = dict(
-            completions=completions,
-            answers=answers,
-            completion_lengths=completion_lengths,
-            prompts=fields.get("prompts"),
-            extra=fields.get("extra"),
-        )
+        batch = dict(completions=completions, answers=answers)
+        batch.update(completion_lengths=completion_lengths, prompts=prompts, extra=extra)
         return self._combine(batch, correct).total
 
     def _combine(self, batch: dict, correct) -> RewardScores:

@@ -52,6 +52,16 @@ def fresh(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:8]}"
 
 
+def reward_source(name: str, call: str) -> str:
+    """A plugin file that registers reward `name` whose __call__ body is `call`."""
+    body = textwrap.indent(textwrap.dedent(call).strip(), " " * 8)
+    return (
+        "from cwgrpo_megatron.reward import Reward, register_reward\n\n"
+        f"@register_reward({name!r})\nclass Plugged(Reward):\n"
+        f"    def __call__(self, *, completions, **_):\n{body}\n"
+    )
+
+
 def reward_plugin(tmp_path, name: str):
     return write_plugin(
         tmp_path,
@@ -204,19 +214,12 @@ def test_a_reward_that_raises_stops_the_scoring_or_scores_zero_and_is_counted(tm
     from cwgrpo_megatron.reward import RewardError, build_reward
 
     name = fresh("flaky")
-    path = write_plugin(
-        tmp_path,
-        f"""
-        from cwgrpo_megatron.reward import Reward, register_reward
-
-        @register_reward("{name}")
-        class Flaky(Reward):
-            def __call__(self, *, completions, **_):
-                if any("boom" in c for c in completions):
-                    raise ConnectionError("the sandbox is down")
-                return [1.0] * len(completions)
-        """,
-    )
+    call = """
+        if any("boom" in c for c in completions):
+            raise ConnectionError("the sandbox is down")
+        return [1.0] * len(completions)
+    """
+    path = write_plugin(tmp_path, reward_source(name, call))
     cfg = load_config(
         overrides=[
             f"reward.weights={{format: 1.0, {name}: 1.0}}",
@@ -249,17 +252,7 @@ def test_a_malformed_reward_result_is_named(tmp_path, result, message):
     from cwgrpo_megatron.reward import RewardError, WeightedReward
 
     name = fresh("bad")
-    path = write_plugin(
-        tmp_path,
-        f"""
-        from cwgrpo_megatron.reward import Reward, register_reward
-
-        @register_reward("{name}")
-        class Bad(Reward):
-            def __call__(self, **_):
-                return {result}
-        """,
-    )
+    path = write_plugin(tmp_path, reward_source(name, f"return {result}"))
     load_plugins([str(path)])
     failed = pytest.raises(RewardError, match=f"reward '{name}' failed: ValueError: .*{message}")
     with WeightedReward({name: 1.0}, verifier="integer_answer") as reward, failed:
