@@ -123,6 +123,11 @@ def stage_tensors(arch: ModelArch, *, tp: int, pp: int, stage: int) -> list[tupl
         ("self_attention.linear_proj.weight", h * arch.num_heads * hd // tp),
         ("self_attention.linear_qkv.weight", qkv * h),
         *([("self_attention.linear_qkv.bias", qkv)] if arch.qkv_bias else []),
+        *(
+            [("self_attention.q_layernorm.weight", hd), ("self_attention.k_layernorm.weight", hd)]
+            if arch.qk_layernorm
+            else []
+        ),
         ("pre_mlp_layernorm.weight", h),
         ("mlp.linear_fc1.weight", 2 * arch.ffn_hidden_size // tp * h),
         ("mlp.linear_fc2.weight", h * arch.ffn_hidden_size // tp),

@@ -5,6 +5,7 @@
     TINY_ENGINE_QWEN2  a checkpoint that vLLM can serve, with a locally trained tokenizer
                        (`save_tiny_qwen2`): vLLM's CPU attention needs a supported head size,
                        and hidden 128 with 4 heads gives 32
+    TINY_ENGINE_QWEN3  the same as a Qwen3, with head_dim 64 (`save_tiny_qwen3`)
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ TINY_ENGINE_QWEN2 = dict(
     eos_token_id=0,
     bos_token_id=0,
 )
+TINY_ENGINE_QWEN3 = dict(head_dim=64)
+"""Over TINY_ENGINE_QWEN2: a head size that vLLM's CPU attention takes, apart from hidden /
+heads."""
 _CORPUS = [
     "Let x be the answer. Then 3 + 4 = 7, so the answer is \\boxed{7}.",
     "<think>\nWe add the numbers.\n</think>\nThe sum of 12 and 30 is \\boxed{42}.",
@@ -83,10 +87,25 @@ def save_tiny_qwen2(
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    return _save_tiny(Qwen2Config, Qwen2ForCausalLM, out, seed, end_tokens, overrides)
+
+
+def save_tiny_qwen3(
+    out: str | os.PathLike, *, seed: int = 0, end_tokens: int = 0, **overrides
+) -> Path:
+    """`save_tiny_qwen2`'s model as a Qwen3 (QK norm, no QKV bias) with TINY_ENGINE_QWEN3's
+    head_dim of 64, which is not hidden / heads (32), and `overrides`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    settings = {**TINY_ENGINE_QWEN3, **overrides}
+    return _save_tiny(Qwen3Config, Qwen3ForCausalLM, out, seed, end_tokens, settings)
+
+
+def _save_tiny(config_cls, model_cls, out, seed: int, end_tokens: int, overrides: dict) -> Path:
     out = Path(out)
-    config = Qwen2Config(**{**TINY_ENGINE_QWEN2, **overrides}, architectures=["Qwen2ForCausalLM"])
+    config = config_cls(**{**TINY_ENGINE_QWEN2, **overrides}, architectures=[model_cls.__name__])
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():  # random norms and biases, so that their sync is checked too
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

@@ -1,4 +1,4 @@
-"""The Qwen2 / Llama architecture read from a Hugging Face `config.json`, and layout checks.
+"""The Qwen2 / Qwen3 / Llama architecture read from an HF `config.json`, and layout checks.
 
 Pure Python: the tools, the mapping and the Megatron model builder all start from `ModelArch`.
 """
@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 # Llama 3.x RoPE scaling as Megatron-Core implements it: only the factor is a parameter
 LLAMA3_ROPE_FIXED = {
     "low_freq_factor": 1.0,
@@ -24,7 +24,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 @dataclass(kw_only=True, frozen=True)
 class ModelArch:
-    """The fields of a decoder-only Qwen2 / Llama block that the Megatron model needs."""
+    """The fields of a decoder-only Qwen2 / Qwen3 / Llama block that the Megatron model needs."""
 
     architecture: str
     vocab_size: int
@@ -42,6 +42,9 @@ class ModelArch:
     torch_dtype: str
     rope_scaling_factor: float | None = None
     """Llama 3.x RoPE scaling (rope_type llama3) with this factor; None: plain RoPE."""
+    qk_layernorm: bool = False
+    """An RMSNorm over each head's query and key before RoPE (Qwen3's q_norm / k_norm, one
+    weight of head_dim shared by the heads)."""
 
     @property
     def heads_per_group(self) -> int:
@@ -107,6 +110,7 @@ class ModelArch:
                 f"num_key_value_heads={kv_heads}"
             )
         rope_theta = data.get("rope_theta", rope.get("rope_theta", 10000.0))
+        # Qwen2 always has the QKV bias (its config has no switch); Qwen3 and Llama as configured
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(data.get("attention_bias", False))
         return cls(
             architecture=arch,
@@ -124,6 +128,7 @@ class ModelArch:
             tie_embeddings=bool(data.get("tie_word_embeddings", False)),
             torch_dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
             rope_scaling_factor=scaling,
+            qk_layernorm=arch == "Qwen3ForCausalLM",
         )
 
     @classmethod

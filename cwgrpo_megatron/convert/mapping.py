@@ -1,4 +1,4 @@
-"""One declarative HF <-> Megatron mapping of names and shapes for Qwen2 / Llama.
+"""One declarative HF <-> Megatron mapping of names and shapes for Qwen2 / Qwen3 / Llama.
 
 Used by the checkpoint tools and by weight sync. Each `Rule` ties one Megatron parameter to the
 Hugging Face tensor(s) it is made of and says how it is laid out over tensor parallelism:
@@ -57,6 +57,13 @@ def layer_rules(arch: ModelArch, *, te_spec: bool) -> list[Rule]:
     if arch.qkv_bias:
         bias_names = tuple(f"{hf_attn}.{p}_proj.bias" for p in "qkv")
         rules.append(Rule(f"{attn}.linear_qkv.bias", bias_names, "qkv", 0))
+    if arch.qk_layernorm:  # [head_dim], the same on every rank (and in both specs)
+        rules.append(
+            Rule(f"{attn}.q_layernorm.weight", (f"{hf_attn}.q_norm.weight",), "copy", None)
+        )
+        rules.append(
+            Rule(f"{attn}.k_layernorm.weight", (f"{hf_attn}.k_norm.weight",), "copy", None)
+        )
     input_norm = (
         f"{attn}.linear_qkv.layer_norm_weight"
         if te_spec
@@ -164,6 +171,8 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
                 "self_attn.v_proj.bias": (kv,),
             }
         )
+    if arch.qk_layernorm:
+        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     for layer in range(arch.num_layers):
         shapes.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
@@ -307,4 +316,6 @@ def megatron_shape(rule: Rule, arch: ModelArch, *, tp: int, padded_vocab: int) -
         return (h, arch.num_heads * hd // tp)
     if "linear_fc2" in name:
         return (h, arch.ffn_hidden_size // tp)
+    if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return (hd,)
     return (h,)

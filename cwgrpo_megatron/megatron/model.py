@@ -98,14 +98,16 @@ def transformer_config(
     return config
 
 
-def layer_spec():
+def layer_spec(arch: ModelArch):
+    """Megatron's layer spec for `arch`: Transformer Engine's when it is installed, else the
+    local one (torch modules), with Qwen3's per-head QK norm where the architecture has it."""
     if use_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
 
 
 def build_model(
@@ -122,7 +124,7 @@ def build_model(
     with on_cpu():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(),
+            transformer_layer_spec=layer_spec(arch),
             vocab_size=padded_vocab_size(
                 arch.vocab_size, tp=tp, divisible_by=make_vocab_size_divisible_by
             ),

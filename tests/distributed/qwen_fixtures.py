@@ -1,9 +1,17 @@
-"""Tiny random Qwen2 / Llama models built with transformers from a config (nothing downloaded)."""
+"""Tiny random Qwen2 / Qwen3 / Llama models built with transformers from a config (nothing
+downloaded)."""
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from cwgrpo_megatron.checks.tiny import TINY_QWEN2
 
@@ -22,6 +30,17 @@ CONFIGS = {
         dict(vocab_size=1000, tie_word_embeddings=False),
     ),
     "qwen-tied": (Qwen2Config, Qwen2ForCausalLM, dict(vocab_size=1000, tie_word_embeddings=True)),
+    # Qwen3: QK norm, no QKV bias, and a head_dim (32) that is not hidden / heads (16)
+    "qwen3": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        dict(vocab_size=1000, tie_word_embeddings=False, head_dim=32),
+    ),
+    "qwen3-tied": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        dict(vocab_size=1000, tie_word_embeddings=True, head_dim=32),
+    ),
     "llama": (
         LlamaConfig,
         LlamaForCausalLM,
@@ -51,7 +70,7 @@ CONFIGS = {
 
 def make_hf_model(name: str, seed: int = 0):
     config_cls, model_cls, overrides = CONFIGS[name]
-    arch = "Qwen2ForCausalLM" if config_cls is Qwen2Config else "LlamaForCausalLM"
+    arch = model_cls.__name__
     config = config_cls(**BASE, **overrides, architectures=[arch])
     torch.manual_seed(seed)
     model = model_cls(config).eval()

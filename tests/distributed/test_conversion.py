@@ -72,6 +72,7 @@ def _compare_params(rank, world, hf_dir, ckpt, tp, pp):
         pytest.param("qwen-untied", 2, 2, torch.float32, id="qwen-untied-tp2xpp2"),
         pytest.param("qwen-tied", 2, 2, torch.float32, id="qwen-tied-tp2xpp2"),
         pytest.param("llama", 2, 1, torch.float32, id="llama-tp2"),
+        pytest.param("qwen3-tied", 2, 2, torch.float32, id="qwen3-tied-tp2xpp2"),
         pytest.param("qwen-untied", 1, 2, torch.bfloat16, id="qwen-untied-bf16-pp2"),
     ],
 )

@@ -73,7 +73,8 @@ def _unscaled_twin(hf):
 
 # Every layout for the untied Qwen2 (vocab 1000 is padded to 1024, so the second TP shard holds
 # padding); the tied model where the last stage must copy the embedding (pp > 1) and not (pp 1);
-# the Llama block (no QKV bias) with tensor parallelism; Llama 3.1's RoPE scaling.
+# Qwen3's block (QK norm, no QKV bias, head_dim apart from hidden / heads) at each layout and
+# tied; the Llama block (no QKV bias) with tensor parallelism; Llama 3.1's RoPE scaling.
 CASES = [
     pytest.param("qwen-untied", 1, 1, id="qwen-untied-tp1"),
     pytest.param("qwen-untied", 2, 1, id="qwen-untied-tp2"),
@@ -81,6 +82,10 @@ CASES = [
     pytest.param("qwen-untied", 2, 2, id="qwen-untied-tp2xpp2"),
     pytest.param("qwen-tied", 1, 1, id="qwen-tied-tp1"),
     pytest.param("qwen-tied", 2, 2, id="qwen-tied-tp2xpp2"),
+    pytest.param("qwen3", 1, 1, id="qwen3-tp1"),
+    pytest.param("qwen3", 2, 1, id="qwen3-tp2"),
+    pytest.param("qwen3", 1, 2, id="qwen3-pp2"),
+    pytest.param("qwen3-tied", 2, 2, id="qwen3-tied-tp2xpp2"),
     pytest.param("llama", 2, 1, id="llama-tp2"),
     pytest.param("llama3-rope", 1, 1, id="llama3-rope-tp1"),
 ]

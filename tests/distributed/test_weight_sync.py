@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from cwgrpo_megatron.checks.tiny import TINY_ENGINE_QWEN2, save_tiny_qwen2
+from cwgrpo_megatron.checks.tiny import TINY_ENGINE_QWEN2, save_tiny_qwen2, save_tiny_qwen3
 from tests.distributed.harness import run_distributed
 
 
@@ -30,18 +30,24 @@ def tied_hf_dir(tmp_path_factory):  # vLLM pads the 500-row vocabulary to 512
     return str(save_tiny_qwen2(path, seed=4, tie_word_embeddings=True, vocab_size=500))
 
 
+@pytest.fixture(scope="module")
+def qwen3_hf_dir(tmp_path_factory):  # vLLM's qwen3 model: QK norm, head_dim 64 of hidden 128
+    return str(save_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "hf", seed=5))
+
+
 @pytest.mark.parametrize(
-    "tp,pp,backend,rounds,path,tied",
+    "tp,pp,backend,rounds,path,model",
     [
-        (2, 1, "vllm", 10, "shm", False),
-        (1, 2, "vllm", 3, "shm", False),
-        (1, 2, "vllm", 2, "shm", True),
-        (2, 2, "torch", 3, "stream", False),
+        (2, 1, "vllm", 10, "shm", "hf_dir"),
+        (1, 2, "vllm", 3, "shm", "hf_dir"),
+        (1, 2, "vllm", 2, "shm", "tied_hf_dir"),
+        (2, 1, "vllm", 2, "shm", "qwen3_hf_dir"),
+        (2, 2, "torch", 3, "stream", "hf_dir"),
     ],
-    ids=["tp2-vllm-10-syncs", "pp2-vllm", "pp2-vllm-tied", "tp2pp2-torch"],
+    ids=["tp2-vllm-10-syncs", "pp2-vllm", "pp2-vllm-tied", "qwen3-tp2-vllm", "tp2pp2-torch"],
 )
-def test_engine_scores_like_trainer_after_each_sync(request, tp, pp, backend, rounds, path, tied):
-    model = request.getfixturevalue("tied_hf_dir" if tied else "hf_dir")
+def test_engine_scores_like_trainer_after_each_sync(request, tp, pp, backend, rounds, path, model):
+    model = request.getfixturevalue(model)
     report = run_distributed(_check, tp * pp, model, tp, pp, backend, rounds, timeout=300)[0]
     assert report["versions"] == list(range(1, rounds + 1))
     # engine processes take each rank's shards from shared memory; the torch engine (in the

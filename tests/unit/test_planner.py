@@ -21,6 +21,9 @@ HF_COUNTS = {
     "qwen2p5_72b": 72_706_203_648,
     "llama3p1_8b": 8_030_261_248,
     "llama3p1_70b": 70_553_706_496,
+    "qwen3_1p7b": 1_720_574_976,
+    "qwen3_8b": 8_190_735_360,
+    "qwen3_32b": 32_762_123_264,
 }
 
 
@@ -230,7 +233,8 @@ RECIPES_WITH_VERDICT = sorted(
 def test_the_gpu_recipes_state_their_verdict():
     names = {p.stem for p in RECIPES_WITH_VERDICT}
     assert names == {
-        "r1_distill_qwen_1p5b", "qwen2p5_math_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b"
+        "r1_distill_qwen_1p5b", "qwen2p5_math_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
+        "qwen3_1p7b", "qwen3_8b", "qwen3_32b",
     }  # fmt: skip
 
 
