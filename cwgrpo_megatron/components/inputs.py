@@ -60,6 +60,8 @@ def load_tokenizer(model_cfg: ModelConfig):
     name = model_cfg.tokenizer
     if name == "qwen2.5":
         return tokenizers.qwen25_tokenizer()
+    if name == "qwen3":
+        return tokenizers.qwen3_tokenizer()
     if name == "r1_distill":
         return tokenizers.r1_distill_tokenizer()
     from transformers import AutoTokenizer
@@ -70,7 +72,7 @@ def load_tokenizer(model_cfg: ModelConfig):
     except (OSError, ValueError) as err:
         raise ValueError(
             f"no tokenizer could be loaded from {folder} ({err}); set model.tokenizer to a "
-            "tokenizer folder, qwen2.5 or r1_distill"
+            "tokenizer folder, qwen3, qwen2.5 or r1_distill"
         ) from err
 
 

