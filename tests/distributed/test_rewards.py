@@ -173,7 +173,7 @@ def test_weighted_reward_verifies_each_completion_once():
         {"accuracy": 1.0, "cosine_length": 0.5, "format": 2.0},
         workers=1,
         timeout_s=10.0,
-        cosine_length={"max_len": 10},
+        options={"cosine_length": {"max_len": 10}},
     )
     completions = ["x\n</think>\n\\boxed{4}", "\\boxed{5}"]
     with combo:
