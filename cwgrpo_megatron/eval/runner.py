@@ -12,6 +12,7 @@ Prompts that leave no room for `max_tokens` in the engine are skipped and counte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -125,28 +126,23 @@ def sample_requests(
     """n completions of each request from `engine`, in calls of `batch_prompts` prompts, each
     scored by its benchmark's scorer (`benchmark_scorer`), else by `reward`: per request, its
     n sample records."""
-    scorers: dict[str, object] = {}
-    try:
-        return _sample_requests(
-            engine, tokenizer, benchmarks, requests, n=n, sampling=sampling, reward=reward,
-            scorers=scorers, batch_prompts=batch_prompts, bar=bar,
-        )  # fmt: skip
-    finally:
-        for scorer in scorers.values():
-            scorer.close()
+    from cwgrpo_megatron.reward import get_reward
+
+    with contextlib.ExitStack() as stack:  # the scorers' worker processes are closed after
+        names = sorted({benchmark_scorer(r.benchmark) for r in requests} - {None})
+        scorers = {name: stack.enter_context(get_reward(name)) for name in names}
+        return _sample(engine, tokenizer, benchmarks, requests, n, sampling, reward, scorers,
+                       batch_prompts, bar)  # fmt: skip
 
 
 def _score(reward, scorers: dict, chunk, problems, texts: list[str], n: int) -> list[float]:
-    """Each completion's score by its benchmark's scorer; one call per scorer."""
-    from cwgrpo_megatron.reward import get_reward
-
+    """Each completion's score by its benchmark's scorer (`scorers[name]`, else `reward`);
+    one call per scorer."""
     by_scorer: dict[str | None, list[int]] = {}
     for j, r in enumerate(chunk):
         by_scorer.setdefault(benchmark_scorer(r.benchmark), []).append(j)
     scores = [0.0] * len(texts)
     for name, rows in by_scorer.items():
-        if name is not None and name not in scorers:
-            scorers[name] = get_reward(name)
         scorer = reward if name is None else scorers[name]
         items = [j * n + i for j in rows for i in range(n)]
         got = scorer(
@@ -160,8 +156,8 @@ def _score(reward, scorers: dict, chunk, problems, texts: list[str], n: int) -> 
     return scores
 
 
-def _sample_requests(
-    engine, tokenizer, benchmarks, requests, *, n, sampling, reward, scorers, batch_prompts, bar
+def _sample(
+    engine, tokenizer, benchmarks, requests, n, sampling, reward, scorers, batch_prompts, bar
 ) -> list[list[dict]]:
     out = []
     for start in range(0, len(requests), batch_prompts):

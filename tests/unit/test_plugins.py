@@ -288,10 +288,10 @@ def test_a_plugin_benchmark_is_loaded_by_name_and_scored_by_its_scorer():
     assert benchmark_scorer("toy_sums") == "integer_answer" and benchmark_scorer("aime24") is None
     chunk = [EvalRequest("toy_sums", i, [1], None) for i in range(2)]
     problems = benchmarks["toy_sums"]
-    scorers = {}
+    scorers = {"integer_answer": get_reward("integer_answer")}
     with get_reward("format") as default:  # what a benchmark without a scorer would use
         scores = _score(default, scorers, chunk, problems, ["74", "so 31", "30", "30!"], 2)
-    assert scores == [1.0, 0.0, 1.0, 1.0] and list(scorers) == ["integer_answer"]
+    assert scores == [1.0, 0.0, 1.0, 1.0]  # integer_answer's verdicts (format gives 0 here)
 
 
 @pytest.mark.parametrize("on_error", ["raise", "zero"])
