@@ -69,16 +69,26 @@ RECOMPUTE_METHODS = ("uniform", "block")
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
-    """The Megatron layout; dp = world size / (tp x pp)."""
+    """The Megatron layout; dp = world size / (tp x pp). A MoE model's experts are laid out
+    over the same ranks by ep x expert_tp x pp, with world / (expert_tp x ep x pp)
+    expert-data-parallel replicas."""
 
     tp: int = 1
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): each rank holds num_experts / ep experts, and tokens
+    reach their experts through an all-to-all over the ep ranks."""
+    expert_tp: int = 1
+    """Expert tensor-parallel size (MoE models): each expert's weights split over this many
+    ranks. 1, whole experts, is the usual choice: experts are narrow."""
 
     def __post_init__(self) -> None:
         check_range("parallel.tp", self.tp, low=1)
         check_range("parallel.pp", self.pp, low=1)
+        check_range("parallel.ep", self.ep, low=1)
+        check_range("parallel.expert_tp", self.expert_tp, low=1)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -440,6 +450,13 @@ class Config:
         tp, pp = self.parallel.tp, self.parallel.pp
         if world_size % (tp * pp):
             raise ValueError(f"world size {world_size} is not a multiple of tp x pp = {tp * pp}")
+        experts = self.parallel.expert_tp * self.parallel.ep * pp
+        if world_size % experts:
+            raise ValueError(
+                f"world size {world_size} is not a multiple of parallel.expert_tp x parallel.ep "
+                f"x parallel.pp = {experts}: choose ep and expert_tp whose product with pp "
+                "divides the world"
+            )
         dp = world_size // (tp * pp)
         problem = self.split_problem(self.train.prompts_per_step, dp)
         if problem:

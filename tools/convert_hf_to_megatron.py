@@ -1,11 +1,14 @@
-"""Convert a Hugging Face Qwen2 / Llama checkpoint into a Megatron dist checkpoint.
+"""Convert a Hugging Face Qwen2 / Qwen3 / Qwen3-MoE / Llama checkpoint into a Megatron dist
+checkpoint.
 
     python tools/convert_hf_to_megatron.py --hf-dir D --out C --tp N --pp M [--dtype bfloat16]
+        [--ep E --expert-tp T]
 
-One process builds the whole model and writes a checkpoint that loads at any TP x PP (Megatron
-reshards on load); --tp / --pp are checked against the model and set the vocabulary padding.
-Under `torchrun --nproc-per-node N*M` each rank converts its own shard. The HF config,
-generation config and tokenizer files are kept beside the checkpoint.
+One process builds the whole model and writes a checkpoint that loads at any TP x PP (x EP,
+Megatron reshards on load); --tp / --pp / --ep / --expert-tp are checked against the model and
+--tp sets the vocabulary padding. Under `torchrun --nproc-per-node M*lcm(N, E*T)` each rank
+converts its own shard (its experts only). The HF config, generation config and tokenizer
+files are kept beside the checkpoint.
 """
 
 import argparse
@@ -21,6 +24,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="checkpoint folder to create")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to plan for")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to plan for")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    parser.add_argument(
+        "--expert-tp", type=int, default=1, help="expert tensor-parallel size (MoE models)"
+    )
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
@@ -36,6 +43,8 @@ def main(argv=None) -> int:
             args.out,
             tp=args.tp,
             pp=args.pp,
+            ep=args.ep,
+            expert_tp=args.expert_tp,
             dtype=args.dtype,
             overwrite=args.overwrite,
         )

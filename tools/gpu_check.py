@@ -16,6 +16,7 @@ Checks, in order (each is timed; one that raises is a FAIL with its error, and t
   cuda            the device, torch's CUDA build, Transformer Engine and vLLM
   hf_logits       the Megatron model on the GPU against transformers on the host: max |dlogits|
                   and |dlogp| in fp32, with Transformer Engine's layer spec when present
+  moe_logits      a tiny Qwen3-MoE the same way: TE's MoE spec (grouped GEMM, its expert names)
   train_step      two bf16 steps with fp32 master weights (Adam): finite, none skipped, moved
   logprob         the vocabulary-parallel log-prob on [8192, 152064] bf16 logits against a
                   plain fp32 log_softmax: max |dlogp|, time and peak memory, each as a ratio
@@ -413,9 +414,32 @@ def _tokens(groups) -> list[list[int]]:
     return [c.token_ids for g in groups for c in g.completions]
 
 
+def check_moe_logits(ctx) -> Result:
+    """A tiny Qwen3-MoE through Transformer Engine's MoE spec (grouped GEMM, the pre-MLP norm
+    of its own) against transformers: the expert names of the TE spec, proven only here."""
+    import torch
+
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen3_moe
+    from cwgrpo_megatron.megatron.conversion import compare_with_hf, hf_to_megatron
+    from cwgrpo_megatron.megatron.model import use_transformer_engine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf_dir = save_tiny_qwen3_moe(ctx["scratch"] / "tiny-moe")
+    ckpt = hf_to_megatron(hf_dir, ctx["scratch"] / "megatron-moe", overwrite=True)
+    gaps = compare_with_hf(hf_dir, ckpt)
+    spec = "te" if use_transformer_engine() else "local"
+    ok = gaps["max_abs_logprob"] <= 1e-3
+    figure = (
+        f"tiny Qwen3-MoE (4 experts, top-2), {spec} spec: max |dlogits| "
+        f"{gaps['max_abs_logits']:.2e}, |dlogp| {gaps['max_abs_logprob']:.2e} (tol 1e-3)"
+    )
+    return Result("moe_logits", "PASS" if ok else "FAIL", figure, detail={**gaps, "spec": spec})
+
+
 CHECKS = {
     "cuda": check_cuda,
     "hf_logits": check_hf_logits,
+    "moe_logits": check_moe_logits,
     "train_step": check_train_step,
     "logprob": check_logprob,
     "planner": check_planner,

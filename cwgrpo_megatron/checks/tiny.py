@@ -41,6 +41,14 @@ TINY_ENGINE_QWEN2 = dict(
 TINY_ENGINE_QWEN3 = dict(head_dim=64)
 """Over TINY_ENGINE_QWEN2: a head size that vLLM's CPU attention takes, apart from hidden /
 heads."""
+TINY_ENGINE_QWEN3_MOE = dict(
+    TINY_ENGINE_QWEN3,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    norm_topk_prob=True,
+)
+"""Over TINY_ENGINE_QWEN2: TINY_ENGINE_QWEN3's head size and 4 experts of width 64, top-2."""
 _CORPUS = [
     "Let x be the answer. Then 3 + 4 = 7, so the answer is \\boxed{7}.",
     "<think>\nWe add the numbers.\n</think>\nThe sum of 12 and 30 is \\boxed{42}.",
@@ -101,6 +109,18 @@ def save_tiny_qwen3(
     return _save_tiny(Qwen3Config, Qwen3ForCausalLM, out, seed, end_tokens, settings)
 
 
+def save_tiny_qwen3_moe(
+    out: str | os.PathLike, *, seed: int = 0, end_tokens: int = 0, **overrides
+) -> Path:
+    """`save_tiny_qwen3`'s model as a Qwen3-MoE (TINY_ENGINE_QWEN3_MOE) with `overrides`; its
+    router is drawn at std 0.5, so that a token's top-k experts are decided by a margin (at
+    the init scale the expert scores nearly tie, and their top-k flips on rounding)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    settings = {**TINY_ENGINE_QWEN3_MOE, **overrides}
+    return _save_tiny(Qwen3MoeConfig, Qwen3MoeForCausalLM, out, seed, end_tokens, settings)
+
+
 def _save_tiny(config_cls, model_cls, out, seed: int, end_tokens: int, overrides: dict) -> Path:
     out = Path(out)
     config = config_cls(**{**TINY_ENGINE_QWEN2, **overrides}, architectures=[model_cls.__name__])
@@ -110,6 +130,8 @@ def _save_tiny(config_cls, model_cls, out, seed: int, end_tokens: int, overrides
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # a MoE router: see save_tiny_qwen3_moe
+                p.normal_(0.0, 0.5)
     if end_tokens:
         model.generation_config.eos_token_id = [0, *range(300, 300 + end_tokens)]
     model.save_pretrained(out)

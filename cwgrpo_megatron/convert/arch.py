@@ -1,4 +1,5 @@
-"""The Qwen2 / Qwen3 / Llama architecture read from an HF `config.json`, and layout checks.
+"""The Qwen2 / Qwen3 / Qwen3-MoE / Llama architecture read from an HF `config.json`, and
+layout checks.
 
 Pure Python: the tools, the mapping and the Megatron model builder all start from `ModelArch`.
 """
@@ -11,7 +12,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "LlamaForCausalLM",
+)
 # Llama 3.x RoPE scaling as Megatron-Core implements it: only the factor is a parameter
 LLAMA3_ROPE_FIXED = {
     "low_freq_factor": 1.0,
@@ -24,7 +30,8 @@ RECIPES = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 @dataclass(kw_only=True, frozen=True)
 class ModelArch:
-    """The fields of a decoder-only Qwen2 / Qwen3 / Llama block that the Megatron model needs."""
+    """The fields of a decoder-only Qwen2 / Qwen3 / Qwen3-MoE / Llama block that the Megatron
+    model needs."""
 
     architecture: str
     vocab_size: int
@@ -45,10 +52,26 @@ class ModelArch:
     qk_layernorm: bool = False
     """An RMSNorm over each head's query and key before RoPE (Qwen3's q_norm / k_norm, one
     weight of head_dim shared by the heads)."""
+    num_experts: int = 0
+    """Routed experts per layer (Qwen3-MoE's num_experts); 0: a dense MLP. Every layer is a MoE
+    layer (decoder_sparse_step 1, no mlp_only_layers), with no shared expert."""
+    moe_topk: int = 0
+    """Experts each token is routed to (num_experts_per_tok)."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's SwiGLU width (moe_intermediate_size)."""
+    moe_norm_topk_prob: bool = False
+    """The router's weights: softmax over all experts, then the top k, renormalised to sum to
+    one when this is set (norm_topk_prob)."""
+    moe_aux_loss_coeff: float = 0.0
+    """The load-balancing loss's coefficient (router_aux_loss_coef)."""
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> ModelArch:
@@ -110,6 +133,7 @@ class ModelArch:
                 f"num_key_value_heads={kv_heads}"
             )
         rope_theta = data.get("rope_theta", rope.get("rope_theta", 10000.0))
+        moe = _moe_fields(data, source) if arch == "Qwen3MoeForCausalLM" else {}
         # Qwen2 always has the QKV bias (its config has no switch); Qwen3 and Llama as configured
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(data.get("attention_bias", False))
         return cls(
@@ -128,7 +152,8 @@ class ModelArch:
             tie_embeddings=bool(data.get("tie_word_embeddings", False)),
             torch_dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
             rope_scaling_factor=scaling,
-            qk_layernorm=arch == "Qwen3ForCausalLM",
+            qk_layernorm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            **moe,
         )
 
     @classmethod
@@ -161,12 +186,19 @@ class ModelArch:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def check_layout(self, *, tp: int, pp: int) -> None:
-        """Raise ValueError, naming the largest valid value and listing the valid ones, if tp / pp
-        cannot split the model."""
-        if tp < 1 or pp < 1:
-            raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
-        shared = math.gcd(math.gcd(self.num_heads, self.num_kv_heads), self.ffn_hidden_size)
+    def check_layout(self, *, tp: int, pp: int, ep: int = 1, expert_tp: int = 1) -> None:
+        """Raise ValueError, naming the largest valid value and listing the valid ones, if tp /
+        pp / ep / expert_tp cannot split the model."""
+        if min(tp, pp, ep, expert_tp) < 1:
+            raise ValueError(
+                f"tp, pp, ep and expert_tp must be >= 1, got tp={tp} pp={pp} ep={ep} "
+                f"expert_tp={expert_tp}"
+            )
+        self._check_experts(ep=ep, expert_tp=expert_tp)
+        # a MoE model has no dense MLP for tp to split: its experts are split by expert_tp
+        shared = math.gcd(
+            math.gcd(self.num_heads, self.num_kv_heads), 0 if self.is_moe else self.ffn_hidden_size
+        )
         valid_tp = f"; valid tp: {', '.join(map(str, divisors(shared)))}"
         for what, count in (
             ("num_attention_heads", self.num_heads),
@@ -182,7 +214,7 @@ class ModelArch:
                     f"tp={tp} does not divide {what}={count}; the largest valid tp "
                     f"at or below {tp} is {best}{valid_tp}"
                 )
-        if self.ffn_hidden_size % tp:
+        if not self.is_moe and self.ffn_hidden_size % tp:
             raise ValueError(
                 f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}{valid_tp}"
             )
@@ -193,6 +225,52 @@ class ModelArch:
                 f"valid pp at or below {pp} is {best}; valid pp: "
                 + ", ".join(map(str, divisors(self.num_layers)))
             )
+
+    def _check_experts(self, *, ep: int, expert_tp: int) -> None:
+        if not self.is_moe:
+            if ep > 1 or expert_tp > 1:
+                raise ValueError(
+                    f"ep={ep} and expert_tp={expert_tp} split experts, and {self.architecture} "
+                    "is a dense model: set parallel.ep=1 and parallel.expert_tp=1"
+                )
+            return
+        if self.num_experts % ep:
+            raise ValueError(
+                f"ep={ep} does not divide num_experts={self.num_experts}; valid ep: "
+                + ", ".join(map(str, divisors(self.num_experts)))
+            )
+        if self.moe_ffn_hidden_size % expert_tp:
+            raise ValueError(
+                f"expert_tp={expert_tp} does not divide moe_intermediate_size="
+                f"{self.moe_ffn_hidden_size}; valid expert_tp: "
+                + ", ".join(map(str, divisors(self.moe_ffn_hidden_size)))
+            )
+
+
+def _moe_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """ModelArch's MoE fields from a Qwen3-MoE config; ValueError for the variants that the
+    Megatron model does not build (dense layers among the MoE ones)."""
+    # the hub's configs say num_experts; transformers 5 writes num_local_experts
+    data = {"num_experts": data.get("num_experts") or data.get("num_local_experts"), **data}
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if not data.get(key):
+            raise ValueError(f"{source}: required MoE field {key!r} is missing or zero")
+    if int(data.get("decoder_sparse_step", 1)) != 1 or data.get("mlp_only_layers"):
+        raise ValueError(
+            f"{source}: dense layers among the MoE ones (decoder_sparse_step="
+            f"{data.get('decoder_sparse_step', 1)}, mlp_only_layers="
+            f"{data.get('mlp_only_layers')}) are not supported: every layer must be a MoE layer"
+        )
+    experts, topk = int(data["num_experts"]), int(data["num_experts_per_tok"])
+    if not 1 <= topk <= experts:
+        raise ValueError(f"{source}: num_experts_per_tok={topk} is not in 1..{experts}")
+    return dict(
+        num_experts=experts,
+        moe_topk=topk,
+        moe_ffn_hidden_size=int(data["moe_intermediate_size"]),
+        moe_norm_topk_prob=bool(data.get("norm_topk_prob", False)),
+        moe_aux_loss_coeff=float(data.get("router_aux_loss_coef", 0.0)),
+    )
 
 
 def recipe_names() -> list[str]:

@@ -1,4 +1,5 @@
-"""One declarative HF <-> Megatron mapping of names and shapes for Qwen2 / Qwen3 / Llama.
+"""One declarative HF <-> Megatron mapping of names and shapes for Qwen2 / Qwen3 / Qwen3-MoE /
+Llama.
 
 Used by the checkpoint tools and by weight sync. Each `Rule` ties one Megatron parameter to the
 Hugging Face tensor(s) it is made of and says how it is laid out over tensor parallelism:
@@ -13,6 +14,16 @@ Hugging Face tensor(s) it is made of and says how it is laid out over tensor par
 Layer indices: HF names use the global layer index; a Megatron pipeline stage names its layers
 from 0, offset by `layer_offset`. Norm names differ with the Transformer Engine layer spec,
 which fuses the norms into the following linear layer.
+
+Experts (Qwen3-MoE): a MoE layer has a router `[E, hidden]`, replicated, and E experts, each a
+SwiGLU of width `moe_ffn_hidden_size` mapped like the dense MLP (gate_up, and a copy split on
+dim 1). An expert rule (`Rule.expert`) names one expert: `{expert}` is the rank's local index
+in the Megatron name (`local_experts.{expert}` with the local spec's SequentialMLP,
+`weight{expert}` with TE's grouped GEMM) and the global one in the HF name
+(`mlp.experts.{expert}.gate_proj.weight`, how checkpoints store them); expert-parallel rank e
+of ep holds experts e E/ep .. (e+1) E/ep - 1, and its TP split is over the expert-tensor-parallel
+group (expert_tp), not tp. The pre-MLP norm of a MoE layer is a norm of its own in both specs
+(TE fuses it into linear_fc1 only for a dense MLP).
 """
 
 from __future__ import annotations
@@ -37,22 +48,50 @@ class Rule:
     kind: str
     tp_dim: int | None
     """Dimension split over tensor parallelism; None when replicated."""
+    expert: bool = False
+    """One expert's parameter: `{expert}` in the names, split over expert_tp."""
+
+
+def _mlp_rules(arch: ModelArch, *, te_spec: bool) -> list[Rule]:
+    """The dense MLP's rules, or a MoE layer's router and experts."""
+    mlp, hf_mlp = "decoder.layers.{layer}.mlp", "model.layers.{layer}.mlp"
+    if not arch.is_moe:
+        return [
+            Rule(
+                f"{mlp}.linear_fc1.weight",
+                (f"{hf_mlp}.gate_proj.weight", f"{hf_mlp}.up_proj.weight"),
+                "gate_up",
+                0,
+            ),
+            Rule(f"{mlp}.linear_fc2.weight", (f"{hf_mlp}.down_proj.weight",), "copy", 1),
+        ]
+    hf_expert = f"{hf_mlp}.experts.{{expert}}"
+    fc1, fc2 = (
+        (f"{mlp}.experts.linear_fc{i}.weight{{expert}}" for i in (1, 2))
+        if te_spec
+        else (f"{mlp}.experts.local_experts.{{expert}}.linear_fc{i}.weight" for i in (1, 2))
+    )
+    return [
+        Rule(f"{mlp}.router.weight", (f"{hf_mlp}.gate.weight",), "copy", None),
+        Rule(
+            fc1,
+            (f"{hf_expert}.gate_proj.weight", f"{hf_expert}.up_proj.weight"),
+            "gate_up",
+            0,
+            expert=True,
+        ),
+        Rule(fc2, (f"{hf_expert}.down_proj.weight",), "copy", 1, expert=True),
+    ]
 
 
 def layer_rules(arch: ModelArch, *, te_spec: bool) -> list[Rule]:
     attn, mlp = "decoder.layers.{layer}.self_attention", "decoder.layers.{layer}.mlp"
-    hf_attn, hf_mlp = "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
+    hf_attn = "model.layers.{layer}.self_attn"
     qkv_names = tuple(f"{hf_attn}.{p}_proj.weight" for p in "qkv")
     rules = [
         Rule(f"{attn}.linear_qkv.weight", qkv_names, "qkv", 0),
         Rule(f"{attn}.linear_proj.weight", (f"{hf_attn}.o_proj.weight",), "copy", 1),
-        Rule(
-            f"{mlp}.linear_fc1.weight",
-            (f"{hf_mlp}.gate_proj.weight", f"{hf_mlp}.up_proj.weight"),
-            "gate_up",
-            0,
-        ),
-        Rule(f"{mlp}.linear_fc2.weight", (f"{hf_mlp}.down_proj.weight",), "copy", 1),
+        *_mlp_rules(arch, te_spec=te_spec),
     ]
     if arch.qkv_bias:
         bias_names = tuple(f"{hf_attn}.{p}_proj.bias" for p in "qkv")
@@ -71,7 +110,7 @@ def layer_rules(arch: ModelArch, *, te_spec: bool) -> list[Rule]:
     )
     mlp_norm = (
         f"{mlp}.linear_fc1.layer_norm_weight"
-        if te_spec
+        if te_spec and not arch.is_moe
         else "decoder.layers.{layer}.pre_mlp_layernorm.weight"
     )
     rules.append(Rule(input_norm, ("model.layers.{layer}.input_layernorm.weight",), "copy", None))
@@ -107,12 +146,13 @@ class StageParam:
 
 
 def stage_params(
-    arch: ModelArch, *, pp_rank: int = 0, pp: int = 1, te_spec: bool
+    arch: ModelArch, *, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0, ep: int = 1, te_spec: bool
 ) -> Iterator[StageParam]:
-    """Every Megatron parameter of pipeline stage `pp_rank`, with the HF tensors it maps to.
-    `te_spec`: the model is built with Transformer Engine's layers, whose norms are fused into
-    the next linear layer (`linear_qkv.layer_norm_weight`); there is no default, so that no
-    caller can name a TE model's parameters as the local spec's.
+    """Every Megatron parameter of pipeline stage `pp_rank` and expert-parallel rank `ep_rank`
+    (its experts only), with the HF tensors it maps to. `te_spec`: the model is built with
+    Transformer Engine's layers, whose norms are fused into the next linear layer
+    (`linear_qkv.layer_norm_weight`); there is no default, so that no caller can name a TE
+    model's parameters as the local spec's.
 
     The output layer appears on the last stage unless the embeddings are tied with pp == 1
     (then Megatron shares the embedding weight and has no separate output parameter).
@@ -123,13 +163,17 @@ def stage_params(
         yield StageParam(rule.megatron, rule.hf, rule)
     per_stage = arch.num_layers // pp
     offset = layer_offset(pp_rank, num_layers=arch.num_layers, pp=pp)
+    local_experts = arch.num_experts // ep
     for local in range(per_stage):
         for rule in layer_rules(arch, te_spec=te_spec):
-            yield StageParam(
-                rule.megatron.format(layer=local),
-                tuple(n.format(layer=local + offset) for n in rule.hf),
-                rule,
-            )
+            for e in range(local_experts) if rule.expert else (None,):
+                expert = {} if e is None else {"expert": e}
+                hf_expert = {} if e is None else {"expert": ep_rank * local_experts + e}
+                yield StageParam(
+                    rule.megatron.format(layer=local, **expert),
+                    tuple(n.format(layer=local + offset, **hf_expert) for n in rule.hf),
+                    rule,
+                )
     if last:
         rule = final_norm_rule()
         yield StageParam(rule.megatron, rule.hf, rule)
@@ -157,12 +201,28 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (ffn, h),
-        "mlp.up_proj.weight": (ffn, h),
-        "mlp.down_proj.weight": (h, ffn),
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
     }
+    if arch.is_moe:
+        per_layer["mlp.gate.weight"] = (arch.num_experts, h)
+        f = arch.moe_ffn_hidden_size
+        for e in range(arch.num_experts):
+            per_layer.update(
+                {
+                    f"mlp.experts.{e}.gate_proj.weight": (f, h),
+                    f"mlp.experts.{e}.up_proj.weight": (f, h),
+                    f"mlp.experts.{e}.down_proj.weight": (h, f),
+                }
+            )
+    else:
+        per_layer.update(
+            {
+                "mlp.gate_proj.weight": (ffn, h),
+                "mlp.up_proj.weight": (ffn, h),
+                "mlp.down_proj.weight": (h, ffn),
+            }
+        )
     if arch.qkv_bias:
         per_layer.update(
             {
@@ -286,7 +346,7 @@ def shard_pieces(
 
     if rule.kind == "gate_up":
         gate, up = shard.chunk(2, dim=0)
-        where = (rows(arch.ffn_hidden_size),)
+        where = (rows(gate.shape[0] * tp),)  # the dense MLP's or an expert's width
         return [(0, where, gate), (1, where, up)]
     if rule.kind == "qkv":
         q, k, v = _split_qkv(shard, arch, groups=arch.num_kv_heads // tp)
@@ -302,8 +362,14 @@ def shard_pieces(
 
 
 def megatron_shape(rule: Rule, arch: ModelArch, *, tp: int, padded_vocab: int) -> tuple:
-    """The shape of one TP rank's shard, for checking a checkpoint against the config."""
+    """The shape of one TP rank's shard, for checking a checkpoint against the config; for an
+    expert rule `tp` is the expert-tensor-parallel size."""
     h, hd = arch.hidden_size, arch.head_dim
+    if rule.expert:
+        f = arch.moe_ffn_hidden_size // tp
+        return (2 * f, h) if rule.kind == "gate_up" else (h, f)
+    if rule.megatron.endswith("router.weight"):
+        return (arch.num_experts, h)
     qkv_rows = arch.num_kv_heads * (arch.heads_per_group + 2) * hd // tp
     name = rule.megatron
     if rule.kind == "vocab":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,16 +52,21 @@ def _dtype_name(requested: str | None, arch: ModelArch) -> str:
     return name
 
 
-def _start(tp: int, pp: int) -> None:
-    """One process builds the whole model; under torchrun the world must be exactly tp x pp."""
+def _start(tp: int, pp: int, ep: int = 1, expert_tp: int = 1) -> None:
+    """One process builds the whole model; under torchrun the world must be exactly
+    pp x lcm(tp, ep x expert_tp) ranks (tp x pp for a dense model)."""
     init_distributed()
     world = dist.get_world_size()
+    ranks = pp * math.lcm(tp, ep * expert_tp)
     if world == 1:
         parallel.initialize(tp=1, pp=1)
-    elif world == tp * pp:
-        parallel.initialize(tp=tp, pp=pp)
+    elif world == ranks:
+        parallel.initialize(tp=tp, pp=pp, ep=ep, expert_tp=expert_tp)
     else:
-        raise ValueError(f"run in one process, or under torchrun with tp x pp = {tp * pp} ranks")
+        raise ValueError(
+            f"run in one process, or under torchrun with pp x lcm(tp, ep x expert_tp) = {ranks} "
+            "ranks"
+        )
 
 
 def hf_to_megatron(
@@ -69,23 +75,27 @@ def hf_to_megatron(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
+    expert_tp: int = 1,
     dtype: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Convert an HF Qwen2 / Llama folder into a Megatron dist checkpoint at `out`.
+    """Convert an HF Qwen2 / Qwen3 / Qwen3-MoE / Llama folder into a Megatron dist checkpoint
+    at `out`.
 
-    The checkpoint loads at any layout (Megatron reshards on load). `tp` and `pp` are checked
-    against the model and set the vocabulary padding (a multiple of 128 x tp); under torchrun
-    with tp x pp ranks each rank builds and writes its own shard.
+    The checkpoint loads at any layout (Megatron reshards on load, experts included). The
+    layout is checked against the model and `tp` sets the vocabulary padding (a multiple of
+    128 x tp); under torchrun (`_start` says how many ranks) each rank builds and writes its
+    own shard, its experts only.
     """
     arch = ModelArch.from_hf_dir(hf_dir)
-    arch.check_layout(tp=tp, pp=pp)
+    arch.check_layout(tp=tp, pp=pp, ep=ep, expert_tp=expert_tp)
     ckpt = HFCheckpoint(hf_dir)
     missing = [n for n in hf_names(arch) if n not in ckpt]
     if missing:
         raise ValueError(f"{hf_dir}: tensors missing for {arch.architecture}: {missing[:5]}")
     dtype_name = _dtype_name(dtype, arch)
-    _start(tp, pp)
+    _start(tp, pp, ep, expert_tp)
     try:
         single = dist.get_world_size() == 1
         model = build_model(

@@ -15,9 +15,17 @@ shares the process (the vLLM engine, tests) keeps plain torch:
   `_get/_set_cuda_rng_state`, `torch.cuda.get_rng_state/set_rng_state/manual_seed`) is the CPU
   generator's state.
 - `torch.cuda.synchronize()` (p2p communication, async checkpoint writer) does nothing.
-- `torch.cuda.current_stream()` (0.19) returns a stub whose methods do nothing.
+- `torch.cuda.current_stream()` (0.19) and `torch.cuda.Stream()` (the MoE all-to-all token
+  dispatcher's side stream for its device-to-host copies) return a stub whose methods do
+  nothing, and `torch.cuda.stream(...)` is an empty context.
+- The MoE all-to-all dispatcher's split sizes, which it moves to the host as numpy arrays,
+  become numpy arrays on CPU too (they would stay tensors, which `all_to_all_single` refuses).
+- The MoE router's `te_general_gemm`, undefined without Transformer Engine, is defined as
+  None, which selects its torch path.
 - Activation recompute reruns layers inside autograd's backward, where torch function modes
-  are not active: `CheckpointFunction.backward` re-enters the device rewrite.
+  are not active: `CheckpointFunction.backward` re-enters the device rewrite, and so does the
+  MoE dispatcher's all-to-all backward (`_AllToAll.backward`, which makes its output on
+  `torch.cuda.current_device()`).
 
 Known limits (rejected by `check_cpu_config` with the fix in the message): sequence parallel
 needs fused norms that torch's CPU norms lack; `apply_rope_fusion` and
@@ -83,10 +91,21 @@ class _CudaToCpu(TorchFunctionMode):
 
 
 class _StreamStub:
-    """Stands in for a CUDA stream: every method is a no-op."""
+    """Stands in for a CUDA stream or event: every method is a no-op that returns another stub
+    (`stream.record_event().synchronize()`), and `with torch.cuda.stream(stub)` does nothing."""
 
     def __getattr__(self, name: str):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _StreamStub()
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16's MoE router tests `te_general_gemm is not None`, a name it only
+    defines when Transformer Engine imports: without TE the test is a NameError. None is the
+    value it means (the torch matmul path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _patches() -> list[tuple[Any, str, Any]]:
@@ -98,22 +117,44 @@ def _patches() -> list[tuple[Any, str, Any]]:
     def get_state(*args, **kwargs):
         return torch.get_rng_state()
 
+    from megatron.core.transformer.moe import token_dispatcher
+
     recompute = mp_random.CheckpointFunction.backward
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host_on_cpu(tensor, as_numpy=False, record_stream=False):
+        # On a GPU the split sizes come back as numpy arrays, the form all_to_all_single takes;
+        # a CPU tensor is passed through as it is, and gloo's all_to_all_single refuses it
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     def recompute_on_cpu(ctx, *grads):
         with _CudaToCpu():
             return recompute(ctx, *grads)
 
+    from megatron.core.tensor_parallel import mappings
+
+    all_to_all_backward = mappings._AllToAll.backward
+
+    def all_to_all_backward_on_cpu(ctx, *grads):
+        with _CudaToCpu():
+            return all_to_all_backward(ctx, *grads)
+
     return [
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", lambda *a, **k: None),
         (torch.cuda, "current_stream", lambda *a, **k: _StreamStub()),
+        (torch.cuda, "Stream", lambda *a, **k: _StreamStub()),
+        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
         (torch.cuda, "get_rng_state", get_state),
         (torch.cuda, "set_rng_state", set_state),
         (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
         (mp_random, "_get_cuda_rng_state", get_state),
         (mp_random, "_set_cuda_rng_state", set_state),
         (mp_random.CheckpointFunction, "backward", staticmethod(recompute_on_cpu)),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", to_host_on_cpu),
+        (mappings._AllToAll, "backward", staticmethod(all_to_all_backward_on_cpu)),
     ]
 
 
@@ -132,6 +173,7 @@ def on_cpu() -> Iterator[None]:
         finally:
             _state.depth -= 1
         return
+    _define_missing_te_names()
     patches = _patches()
     # getattr_static keeps a class's staticmethod wrapper, so restoring leaves it as it was
     saved = [(obj, name, inspect.getattr_static(obj, name)) for obj, name, _ in patches]

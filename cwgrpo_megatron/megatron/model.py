@@ -1,10 +1,18 @@
-"""A Megatron-Core GPTModel for a Qwen2 / Llama architecture, and HF weights loaded into it.
+"""A Megatron-Core GPTModel for a Qwen2 / Qwen3 / Qwen3-MoE / Llama architecture, and HF
+weights loaded into it.
 
 Settings mapped from the HF config (`ModelArch`): RMSNorm and its eps, SwiGLU, QKV bias,
-grouped-query attention (`num_key_value_heads` -> `num_query_groups`), head dim, RoPE theta and
-Llama 3.x RoPE scaling, max positions, tied or untied embeddings, fp32 / bf16 parameters. The
-vocabulary is padded to a multiple of `make_vocab_size_divisible_by x tp`; padded logits are
-masked out downstream by `vocab_parallel_logprob_entropy(..., vocab_size=arch.vocab_size)`.
+Qwen3's QK norm, grouped-query attention (`num_key_value_heads` -> `num_query_groups`), head
+dim, RoPE theta and Llama 3.x RoPE scaling, max positions, tied or untied embeddings, fp32 /
+bf16 parameters. The vocabulary is padded to a multiple of `make_vocab_size_divisible_by x tp`;
+padded logits are masked out downstream by
+`vocab_parallel_logprob_entropy(..., vocab_size=arch.vocab_size)`.
+
+Qwen3-MoE (`moe_settings`): Megatron's MoE layer with top-k routing as Qwen3 routes (softmax
+in fp32 over all experts, top k, renormalised when norm_topk_prob), no shared expert, the
+load-balancing loss at router_aux_loss_coef, and the all-to-all token dispatcher over the
+expert-parallel group. Experts run as TE's grouped GEMM on GPU and as `SequentialMLP` (one
+torch MLP per local expert) on CPU.
 
 Layer spec: Transformer Engine's when TE and a GPU are present, Megatron's local one otherwise.
 """
@@ -61,11 +69,46 @@ def sequence_multiple(model) -> int:
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
+def moe_settings(arch: ModelArch, *, ep: int, expert_tp: int, te: bool) -> dict:
+    """TransformerConfig's MoE fields for `arch` (none for a dense model).
+
+    Qwen3 routes with p = softmax(logits) over all E experts in fp32 and keeps the top k;
+    norm_topk_prob renormalises them to sum to one, which equals a softmax over the top k
+    logits, Megatron's default (`moe_router_pre_softmax=False`); without it the top k of the
+    full softmax are kept as they are (`moe_router_pre_softmax=True`). The load-balancing loss
+    (`aux_loss`) enters the backward pass through Megatron's MoE layer, not the policy loss.
+    """
+    if not arch.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_topk,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=te,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp,
+    )
+
+
 def transformer_config(
-    arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32, **overrides
+    arch: ModelArch,
+    *,
+    tp: int,
+    pp: int,
+    ep: int = 1,
+    expert_tp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides,
 ) -> TransformerConfig:
-    """The TransformerConfig of `arch` at tp x pp; `overrides` set further fields."""
-    arch.check_layout(tp=tp, pp=pp)
+    """The TransformerConfig of `arch` at tp x pp (x ep x expert_tp for a MoE model);
+    `overrides` set further fields."""
+    arch.check_layout(tp=tp, pp=pp, ep=ep, expert_tp=expert_tp)
+    te = use_transformer_engine()
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -86,7 +129,8 @@ def transformer_config(
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         persist_layer_norm=False,
-        **fusion_settings(te=use_transformer_engine(), tp=tp),
+        **fusion_settings(te=te, tp=tp),
+        **moe_settings(arch, ep=ep, expert_tp=expert_tp, te=te),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -100,14 +144,22 @@ def transformer_config(
 
 def layer_spec(arch: ModelArch):
     """Megatron's layer spec for `arch`: Transformer Engine's when it is installed, else the
-    local one (torch modules), with Qwen3's per-head QK norm where the architecture has it."""
+    local one (torch modules), with Qwen3's per-head QK norm where the architecture has it and
+    the MoE layer for Qwen3-MoE (TE's grouped GEMM, or the local spec's SequentialMLP)."""
+    experts = arch.num_experts or None
     if use_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts,
+            moe_grouped_gemm=experts is not None,
+            qk_layernorm=arch.qk_layernorm,
+        )
+    return get_gpt_layer_local_spec(
+        num_experts=experts, normalization="RMSNorm", qk_layernorm=arch.qk_layernorm
+    )
 
 
 def build_model(
@@ -117,10 +169,20 @@ def build_model(
     make_vocab_size_divisible_by: int = 128,
     **config_overrides,
 ) -> GPTModel:
-    """This rank's pipeline stage of the model, at the parallel layout of `parallel_state`."""
+    """This rank's pipeline stage of the model (and its experts), at the parallel layout of
+    `parallel_state`."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
+    ep, expert_tp = expert_layout()
+    config = transformer_config(
+        arch,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        expert_tp=expert_tp,
+        params_dtype=params_dtype,
+        **config_overrides,
+    )
     with on_cpu():
         model = GPTModel(
             config=config,
@@ -153,25 +215,34 @@ def build_model(
 def load_hf_weights(
     model: GPTModel, arch: ModelArch, get_tensor: Callable[[str], torch.Tensor]
 ) -> None:
-    """Copy HF tensors (fetched one at a time by `get_tensor(name)`) into this rank's stage.
+    """Copy HF tensors (fetched one at a time by `get_tensor(name)`) into this rank's stage
+    (and its experts).
 
     Raises ValueError naming the tensor when a shape does not match `arch`.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep, expert_tp = expert_layout()
+    ep_rank, expert_tp_rank = expert_ranks()
     params = dict(model.named_parameters())
     padded = model.vocab_size
     for item in stage_params(
         arch,
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        ep_rank=ep_rank,
+        ep=ep,
         te_spec=use_transformer_engine(),
     ):
         if item.megatron_name not in params:
             raise RuntimeError(f"the Megatron model has no parameter {item.megatron_name}")
         hf = [get_tensor(n) for n in item.hf_names]
-        shard = to_megatron(item.rule, hf, arch, tp=tp, tp_rank=tp_rank, padded_vocab=padded)
-        expected = megatron_shape(item.rule, arch, tp=tp, padded_vocab=padded)
+        if item.rule.expert:
+            split, rank = expert_tp, expert_tp_rank
+        else:
+            split, rank = tp, tp_rank
+        shard = to_megatron(item.rule, hf, arch, tp=split, tp_rank=rank, padded_vocab=padded)
+        expected = megatron_shape(item.rule, arch, tp=split, padded_vocab=padded)
         target = params[item.megatron_name]
         if tuple(shard.shape) != expected or tuple(target.shape) != expected:
             shapes = ", ".join(
@@ -179,10 +250,26 @@ def load_hf_weights(
             )
             raise ValueError(
                 f"checkpoint shapes do not match the config for {item.megatron_name} "
-                f"({shapes}); expected a shard of {expected} at tp={tp}"
+                f"({shapes}); expected a shard of {expected} at tp={split}"
             )
         with torch.no_grad():
             target.copy_(shard)
+
+
+def expert_layout() -> tuple[int, int]:
+    """(ep, expert_tp): the expert-parallel and expert-tensor-parallel sizes of `parallel_state`."""
+    return (
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def expert_ranks() -> tuple[int, int]:
+    """(ep_rank, expert_tp_rank) of this rank."""
+    return (
+        parallel_state.get_expert_model_parallel_rank(),
+        parallel_state.get_expert_tensor_parallel_rank(),
+    )
 
 
 def unwrap(model):

@@ -26,7 +26,7 @@ from cwgrpo_megatron.comm import (
 from cwgrpo_megatron.comm.collectives import Group
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron.forward import forward_logits
-from cwgrpo_megatron.megatron.model import DTYPES, unwrap, use_transformer_engine
+from cwgrpo_megatron.megatron.model import DTYPES, expert_layout, unwrap, use_transformer_engine
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.weight_sync.export import ExportGroups, hf_tensors
 from cwgrpo_megatron.weight_sync.plan import Place, SyncPlan
@@ -41,15 +41,19 @@ def export_groups() -> ExportGroups:
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
     )
+    ep, expert_tp = expert_layout()
     return ExportGroups(
         tp=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
         pp=parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None,
+        ep=parallel_state.get_expert_model_parallel_group() if ep > 1 else None,
+        expert_tp=parallel_state.get_expert_tensor_parallel_group() if expert_tp > 1 else None,
         te_spec=use_transformer_engine(),
     )
 
 
 def hf_weights(model, arch: ModelArch, *, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole model as HF-named full tensors in `dtype`; a collective over TP x PP."""
+    """The whole model as HF-named full tensors in `dtype`; a collective over TP x PP (x EP)
+    of the ranks `in_engine_group`."""
     return _hf_tensors(model, arch, DTYPES[dtype])
 
 
@@ -60,8 +64,13 @@ def _hf_tensors(model, arch: ModelArch, dtype: torch.dtype) -> Iterator[tuple[st
 
 
 def in_engine_group() -> bool:
-    """This rank takes part in the export to the engine (it shares rank 0's model copy)."""
-    return parallel_state.get_data_parallel_rank() == 0
+    """This rank takes part in the export to the engine: it shares rank 0's model copy
+    (data-parallel rank 0), or, with experts split over ep > 1 ranks, it holds experts of that
+    copy (expert-data-parallel rank 0)."""
+    if parallel_state.get_data_parallel_rank() == 0:
+        return True
+    ep, _ = expert_layout()
+    return ep > 1 and parallel_state.get_expert_data_parallel_rank() == 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class MegatronExport:
     dtype: torch.dtype
     te_spec: bool
     pp: int
+    ep: int
     in_engine_group: bool
 
     @classmethod
@@ -83,6 +93,7 @@ class MegatronExport:
             dtype=DTYPES[dtype],
             te_spec=use_transformer_engine(),
             pp=parallel_state.get_pipeline_model_parallel_world_size(),
+            ep=expert_layout()[0],
             in_engine_group=in_engine_group(),
         )
 

@@ -41,6 +41,11 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import (
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+    reduce_aux_losses_tracker_across_ranks,
+)
 
 from cwgrpo_megatron.algo import PolicyBatch, PolicyLoss, build_policy_loss
 from cwgrpo_megatron.algo.config import AlgoConfig
@@ -125,7 +130,8 @@ def build_actor(
     # packed micro-batches differ in shape: pipeline stages then exchange shapes first
     variable = {}
     if train.max_tokens_per_micro_batch is not None:
-        # the dispatcher is MoE's (unused here); Megatron refuses its default beside the flag
+        # Megatron refuses its default token dispatcher beside the flag (alltoall is also the
+        # one a MoE model uses: `model.moe_settings`)
         variable = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
     model = build_model(
         arch,
@@ -134,6 +140,7 @@ def build_actor(
         **variable,
         **train.recompute_overrides(),
     )
+    _check_moe_training(arch, model.config)
     load_weights(model)
     ref_model = None
     if algo.kl_beta > 0:
@@ -413,9 +420,12 @@ def _update(actor: Actor, local, plan, old_logp, policy_logp, ref_logp) -> StepR
     ]
     actor.model.zero_grad_buffer()
     actor.optimizer.zero_grad()
+    clear_aux_losses_tracker()
     outputs = _forward_backward(actor, micro_inputs)
     padded = float(sum(m.padded_tokens for m in plan))
     totals, metrics, hists = _reduce_outputs(outputs, prepared_metrics, last, (padded, len(plan)))
+    if actor.arch.is_moe:
+        metrics.update(_router_losses(len(plan)))
     finite = _grads_finite(actor)
     grad_norm = float("nan")
     lr = float(actor.optimizer.param_groups[0]["lr"])
@@ -437,6 +447,29 @@ def _update(actor: Actor, local, plan, old_logp, policy_logp, ref_logp) -> StepR
         padded_tokens=int(totals["padded_tokens"]),
         micro_batches=int(totals["micro_batches"]),
     )
+
+
+ROUTER_LOSS_NAMES = {"load_balancing_loss": "moe/load_balancing_loss"}
+"""The logged name of the loss Megatron's router tracker holds for `aux_loss` balancing (any
+other it holds is logged as moe/<its name>)."""
+
+
+def _router_losses(micro_batches: int) -> dict[str, float]:
+    """`moe/<name>` for each loss Megatron's MoE routers added to this update's backward pass
+    (`moe/load_balancing_loss`: the switch loss before its coefficient), averaged over the MoE
+    layers, the micro-batches and the data-parallel ranks. They enter the gradient only, not
+    the policy loss or its statistics. Collective over PP and DP (Megatron's reduction of its
+    tracker, which is then cleared)."""
+    tracker = get_moe_layer_wise_logging_tracker()
+    with on_cpu():
+        reduce_aux_losses_tracker_across_ranks()
+    out = {
+        ROUTER_LOSS_NAMES.get(name, f"moe/{name}"): float(entry["values"].sum())
+        / (entry["values"].numel() * micro_batches)
+        for name, entry in sorted(tracker.items())
+    }
+    clear_aux_losses_tracker()
+    return out
 
 
 def _micro_batch_index(plan: list[MicroBatch], rows: int, dev) -> torch.Tensor:
@@ -489,19 +522,38 @@ def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool, shape: t
     return totals, values, hists
 
 
+def _check_moe_training(arch: ModelArch, config) -> None:
+    """Megatron's MoE layer trains beside tensor parallelism only with sequence parallelism
+    (`fusion_settings`: on with Transformer Engine's layers, which need a GPU)."""
+    if arch.is_moe and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+        raise ValueError(
+            f"training {arch.architecture} at tp={config.tensor_model_parallel_size} needs "
+            "sequence parallelism, which needs Transformer Engine on a GPU: on CPU train a MoE "
+            "model at parallel.tp=1 and split its experts with parallel.ep"
+        )
+
+
 def param_checksum(model) -> float:
     """Float64 sum of every logical parameter once: TP shards add up, TP-replicated tensors
     count on tp rank 0 only, DP replicas on dp rank 0 only, and a tied output layer (the last
-    stage's copy of the embedding when pp > 1) not at all; summed over all ranks."""
+    stage's copy of the embedding when pp > 1) not at all; an expert's parameters likewise
+    over the expert-TP and expert-data-parallel groups. Summed over all ranks."""
     gpt = getattr(model, "module", model)
     tied = getattr(gpt, "share_embeddings_and_output_weights", False)
     total = torch.zeros((), dtype=torch.float64, device=device())
-    if parallel_state.get_data_parallel_rank() == 0:
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        for name, p in gpt.named_parameters():
-            if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
-                continue
-            if tied and name == "output_layer.weight":
-                continue
-            total += p.detach().double().sum()
+    dense = (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+    expert = (
+        parallel_state.get_expert_data_parallel_rank(),
+        parallel_state.get_expert_tensor_parallel_rank(),
+    )
+    for name, p in gpt.named_parameters():
+        dp_rank, tp_rank = expert if ".experts." in name else dense
+        if dp_rank != 0 or (not getattr(p, "tensor_model_parallel", False) and tp_rank != 0):
+            continue
+        if tied and name == "output_layer.weight":
+            continue
+        total += p.detach().double().sum()
     return float(sum_over(total, dist.group.WORLD))

@@ -63,8 +63,11 @@ class ModelExport(Protocol):
     te_spec: bool
     """The model was built with Transformer Engine's layer spec (its fused names)."""
     pp: int
+    ep: int
+    """Expert-parallel size: a MoE model's experts stream from every EP rank."""
     in_engine_group: bool
-    """This rank takes part in the stream (data-parallel rank 0's model-parallel group)."""
+    """This rank takes part in the stream (data-parallel rank 0's model-parallel group, and
+    the expert-parallel peers that hold its experts)."""
 
     def shards(self, model) -> dict[str, Tensor]:
         """This rank's parameters by Megatron name."""
@@ -296,7 +299,7 @@ def _transfer_source(model, export: ModelExport) -> HFSource:
     from cwgrpo_megatron.weight_sync.transfer import HFSource
 
     shapes = hf_shapes(export.arch)
-    names = export_names(export.arch, pp=export.pp, te_spec=export.te_spec)
+    names = export_names(export.arch, pp=export.pp, ep=export.ep, te_spec=export.te_spec)
     return HFSource(
         lambda: export.full_tensors(model),
         [(name, export.dtype, shapes[name]) for name in names],

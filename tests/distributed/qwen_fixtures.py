@@ -1,9 +1,13 @@
-"""Tiny random Qwen2 / Qwen3 / Llama models built with transformers from a config (nothing
-downloaded)."""
+"""Tiny random Qwen2 / Qwen3 / Qwen3-MoE / Llama models built with transformers from a config
+(nothing downloaded)."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -11,6 +15,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from cwgrpo_megatron.checks.tiny import TINY_QWEN2
@@ -40,6 +46,33 @@ CONFIGS = {
         Qwen3Config,
         Qwen3ForCausalLM,
         dict(vocab_size=1000, tie_word_embeddings=True, head_dim=32),
+    ),
+    # Qwen3-MoE: 4 experts of width 32, top-2, both ways of weighting the chosen experts
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            vocab_size=1000,
+            tie_word_embeddings=False,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen3-moe-unnorm": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            vocab_size=1000,
+            tie_word_embeddings=False,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+        ),
     ),
     "llama": (
         LlamaConfig,
@@ -78,7 +111,25 @@ def make_hf_model(name: str, seed: int = 0):
         for name_, p in model.named_parameters():
             if name_.endswith("bias") or "norm" in name_:
                 p.add_(0.1 * torch.randn_like(p))
+            if name_.endswith("mlp.gate.weight"):
+                # a router at the init scale (0.02) gives near-equal expert scores, whose top-k
+                # can flip on rounding between two exact implementations; this one decides
+                p.normal_(0.0, 0.5)
     return model
+
+
+def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's tensors as a checkpoint holds them: what `save_pretrained` writes, e.g. one
+    tensor per expert where transformers fuses the experts in memory."""
+    # under torch.distributed transformers writes on rank 0 only; each rank here has a model of
+    # its own and a folder of its own
+    model.should_save_on_this_rank = lambda is_main_process: True
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        tensors: dict[str, torch.Tensor] = {}
+        for path in sorted(Path(folder).glob("*.safetensors")):
+            tensors.update(load_file(path))
+    return tensors
 
 
 def tokens(batch: int = 4, seq: int = 12, vocab: int = 1000, seed: int = 1) -> torch.Tensor:

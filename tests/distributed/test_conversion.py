@@ -1,6 +1,7 @@
 """HF <-> Megatron conversion: bit-identical round trips, resharding, CLIs and bad input."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,8 @@ def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _convert(rank, world, hf_dir, out, tp, pp, dtype=None):
-    hf_to_megatron(hf_dir, out, tp=tp, pp=pp, dtype=dtype)
+def _convert(rank, world, hf_dir, out, tp, pp, dtype=None, ep=1, expert_tp=1):
+    hf_to_megatron(hf_dir, out, tp=tp, pp=pp, ep=ep, expert_tp=expert_tp, dtype=dtype)
 
 
 def _export(rank, world, ckpt, out):
@@ -67,21 +68,32 @@ def _compare_params(rank, world, hf_dir, ckpt, tp, pp):
 
 
 @pytest.mark.parametrize(
-    ("name", "tp", "pp", "dtype"),
+    ("name", "tp", "pp", "dtype", "ep", "expert_tp"),
     [
-        pytest.param("qwen-untied", 2, 2, torch.float32, id="qwen-untied-tp2xpp2"),
-        pytest.param("qwen-tied", 2, 2, torch.float32, id="qwen-tied-tp2xpp2"),
-        pytest.param("llama", 2, 1, torch.float32, id="llama-tp2"),
-        pytest.param("qwen3-tied", 2, 2, torch.float32, id="qwen3-tied-tp2xpp2"),
-        pytest.param("qwen-untied", 1, 2, torch.bfloat16, id="qwen-untied-bf16-pp2"),
+        pytest.param("qwen-untied", 2, 2, torch.float32, 1, 1, id="qwen-untied-tp2xpp2"),
+        pytest.param("qwen-tied", 2, 2, torch.float32, 1, 1, id="qwen-tied-tp2xpp2"),
+        pytest.param("llama", 2, 1, torch.float32, 1, 1, id="llama-tp2"),
+        pytest.param("qwen3-tied", 2, 2, torch.float32, 1, 1, id="qwen3-tied-tp2xpp2"),
+        pytest.param("qwen-untied", 1, 2, torch.bfloat16, 1, 1, id="qwen-untied-bf16-pp2"),
+        # experts split over 2 EP ranks, each expert over 2 expert-TP ranks, and 2 stages
+        pytest.param("qwen3-moe", 1, 2, torch.float32, 2, 1, id="qwen3-moe-pp2xep2"),
+        pytest.param("qwen3-moe", 2, 1, torch.float32, 2, 2, id="qwen3-moe-tp2xep2xetp2"),
     ],
 )
-def test_round_trip_is_bit_identical(tmp_path, name, tp, pp, dtype):
+def test_round_trip_is_bit_identical(tmp_path, name, tp, pp, dtype, ep, expert_tp):
     hf_dir = save_hf(name, tmp_path / "hf", dtype=dtype)
     dtype_name = str(dtype).removeprefix("torch.")
-    run_distributed(_convert, tp * pp, str(hf_dir), str(tmp_path / "ckpt"), tp, pp, dtype_name)
+    world = pp * math.lcm(tp, ep * expert_tp)
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_convert, world, str(hf_dir), ckpt, tp, pp, dtype_name, ep, expert_tp)
     meta = json.loads((tmp_path / "ckpt" / "cwgrpo_checkpoint.json").read_text())
-    assert meta["saved_layout"] == {"tp": tp, "pp": pp, "dp": 1}
+    assert meta["saved_layout"] == {
+        "tp": tp,
+        "pp": pp,
+        "dp": world // (tp * pp),
+        "ep": ep,
+        "expert_tp": expert_tp,
+    }
     assert meta["params_dtype"] == dtype_name
     for file, text in TOKENIZER_FILES.items():
         assert (tmp_path / "ckpt" / file).read_text() == text

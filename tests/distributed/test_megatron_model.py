@@ -5,10 +5,10 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.harness import run_distributed
-from tests.distributed.qwen_fixtures import make_hf_model, tokens
+from tests.distributed.qwen_fixtures import checkpoint_tensors, make_hf_model, tokens
 
 
-def _worker(rank, world, name, tp, pp):
+def _worker(rank, world, name, tp, pp, ep=1, expert_tp=1):
     from megatron.core import parallel_state
 
     from cwgrpo_megatron.comm import vocab_parallel_logprob_entropy
@@ -18,9 +18,9 @@ def _worker(rank, world, name, tp, pp):
     from cwgrpo_megatron.megatron.model import build_model, load_hf_weights
 
     hf = make_hf_model(name)
-    state = hf.state_dict()
+    state = checkpoint_tensors(hf)
     arch = ModelArch.from_hf_dict(hf.config.to_dict())
-    parallel.initialize(tp=tp, pp=pp)
+    parallel.initialize(tp=tp, pp=pp, ep=ep, expert_tp=expert_tp)
     try:
         model = build_model(arch)
         load_hf_weights(model, arch, lambda n: state[n])
@@ -87,14 +87,38 @@ CASES = [
     pytest.param("qwen3", 1, 2, id="qwen3-pp2"),
     pytest.param("qwen3-tied", 2, 2, id="qwen3-tied-tp2xpp2"),
     pytest.param("llama", 2, 1, id="llama-tp2"),
+    pytest.param("qwen3-moe", 1, 1, id="qwen3-moe-tp1"),
+    pytest.param("qwen3-moe-unnorm", 1, 1, id="qwen3-moe-unnorm-tp1"),
+    pytest.param("qwen3-moe", 2, 1, id="qwen3-moe-tp2"),
+    pytest.param("qwen3-moe", 1, 2, id="qwen3-moe-pp2"),
     pytest.param("llama3-rope", 1, 1, id="llama3-rope-tp1"),
+]
+
+
+# Qwen3-MoE's experts split over expert-parallel ranks, alone and beside tensor parallelism
+# (expert_tp 1: attention split over tp, whole experts over ep; expert_tp 2: experts split too)
+MOE_CASES = [
+    pytest.param("qwen3-moe", 1, 2, 1, 2, id="qwen3-moe-ep2"),
+    pytest.param("qwen3-moe-unnorm", 1, 2, 1, 2, id="qwen3-moe-unnorm-ep2"),
+    pytest.param("qwen3-moe", 2, 2, 1, 4, id="qwen3-moe-tp2xep2"),
+    pytest.param("qwen3-moe", 2, 2, 2, 4, id="qwen3-moe-tp2xep2-expert-tp2"),
 ]
 
 
 @pytest.mark.parametrize(("name", "tp", "pp"), CASES)
 def test_megatron_matches_hf(name, tp, pp):
-    results = [r for r in run_distributed(_worker, tp * pp, name, tp, pp) if r is not None]
-    assert len(results) == tp
+    _check(run_distributed(_worker, tp * pp, name, tp, pp), tp=tp)
+
+
+@pytest.mark.parametrize(("name", "tp", "ep", "expert_tp", "world"), MOE_CASES)
+def test_moe_megatron_matches_hf(name, tp, ep, expert_tp, world):
+    _check(run_distributed(_worker, world, name, tp, 1, ep, expert_tp), tp=tp, world=world)
+
+
+def _check(results, *, tp, world=None):
+    results = [r for r in results if r is not None]
+    # one result per last-stage rank: tp of them, times the data-parallel replicas
+    assert len(results) == (world // tp if world else 1) * tp
     for r in results:
         assert r["logits"] < 1e-5, r
         assert r["logp"] < 1e-5, r

@@ -359,3 +359,82 @@ def test_padding_micro_batches_for_sequence_parallelism_changes_nothing(budget):
         assert norm4 == pytest.approx(norm, rel=1e-6)
         assert tokens4 > tokens and tokens4 % 4 == 0
     assert padded_sum == pytest.approx(plain_sum, rel=1e-6)
+
+
+def _moe_run(rank, world, hf_dir, ep, tp=1):
+    from cwgrpo_megatron.checks import layout_check
+
+    return layout_check.run(
+        tp=tp,
+        micro_batches=2,
+        global_batch=16,
+        group_size=4,
+        seq_len=16,
+        steps=2,
+        hf_dir=hf_dir,
+        overrides=[f"parallel.ep={ep}"],
+    )
+
+
+def _save_moe(folder, aux_loss_coef=None) -> str:
+    from tests.distributed.qwen_fixtures import make_hf_model
+
+    model = make_hf_model("qwen3-moe")
+    if aux_loss_coef is not None:
+        model.config.router_aux_loss_coef = aux_loss_coef
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return _save_moe(tmp_path_factory.mktemp("qwen3-moe"))  # Qwen3-MoE's coefficient, 0.001
+
+
+def test_moe_expert_parallel_step_agrees(moe_dir):
+    # the same CW-GRPO step on the tiny Qwen3-MoE: 2 data-parallel ranks with every expert on
+    # each, and the same 2 ranks with the experts split between them (the all-to-all dispatch)
+    whole = run_distributed(_moe_run, 2, moe_dir, 1)
+    split = run_distributed(_moe_run, 2, moe_dir, 2)
+    ref, got = whole[0], split[0]
+    assert got["layout"]["ep"] == 2 and ref["layout"]["ep"] == 1
+    assert (
+        all(abs(x) > 1e-4 for x in ref["grad_norm"])
+        and ref["param_checksum"] != ref["initial_checksum"]
+    )
+    assert_same(got, ref, 1e-5, "qwen3-moe ep2")
+    for a, b in zip(got["metrics"], ref["metrics"], strict=True):
+        assert a["moe/load_balancing_loss"] == pytest.approx(b["moe/load_balancing_loss"], rel=1e-5)
+    # every expert's update reaches the export, each from the rank that holds it
+    assert ref["update"].keys() == got["update"].keys()
+    experts = [n for n in ref["update"] if ".mlp.experts." in n]
+    assert len(experts) == 4 * 4 * 3  # layers x experts x (gate, up, down)
+    for name in experts:
+        (u, n), (u_ref, n_ref) = got["update"][name], ref["update"][name]
+        # u = sum(r * d) cancels: its fp32 noise (the dispatch orders tokens differently) is
+        # measured against |d|, not against u
+        assert n > 0 and n == pytest.approx(n_ref, rel=1e-4), (name, n, n_ref)
+        assert abs(u - u_ref) <= 1e-4 * n_ref, (name, u, u_ref, n_ref)
+
+
+def test_moe_training_beside_tensor_parallelism_needs_sequence_parallelism(moe_dir):
+    with pytest.raises(RuntimeError, match="needs sequence parallelism"):
+        run_distributed(_moe_run, 2, moe_dir, 1, 2)
+
+
+def test_router_losses_enter_the_gradient_and_nothing_else(tmp_path):
+    # the same weights and batch with the load-balancing loss off and at a coefficient of 0.5:
+    # the policy loss and CW-GRPO's statistics of the first update (same weights) are equal to
+    # the bit, the gradient is not, and the router's loss is reported only where it is on
+    off = run_distributed(_moe_run, 1, _save_moe(tmp_path / "off", 0.0), 1)[0]
+    on = run_distributed(_moe_run, 1, _save_moe(tmp_path / "on", 0.5), 1)[0]
+    assert on["loss"][0] == off["loss"][0]
+    statistics = [k for k in off["metrics"][0] if k.startswith(("cw/", "actor/", "rollout/"))]
+    assert {"cw/sigma", "cw/top1pct_cov_share"} <= set(statistics)
+    for key in statistics:
+        assert on["metrics"][0][key] == off["metrics"][0][key], key
+    assert abs(on["grad_norm"][0] - off["grad_norm"][0]) > 1e-4 * off["grad_norm"][0]
+    assert not any(k.startswith("moe/") for k in off["metrics"][0])
+    # the switch loss before its coefficient: E * sum_e f_e P_e, 1 when routing is uniform and
+    # at most E = 4
+    assert 0.0 < on["metrics"][0]["moe/load_balancing_loss"] <= 4.0

@@ -277,7 +277,8 @@ def test_torchrun_on_the_launcher_at_tp2_trains_like_one_process(tiny, vllm_run,
     stacked = ["--config", str(algo), "--config", str(overlay)]
     extra = ("parallel.tp=2", "run.verify_sync=1", *DYNAMIC)
     code, log = launch([*torchrun(2), str(LAUNCHER), *stacked, *run_args(tiny, out, *extra)])
-    rows = _check_two_process_run(out, code, log, {"tp": 2, "pp": 1, "dp": 1}, steps=3)
+    layout = {"tp": 2, "pp": 1, "dp": 1, "ep": 1, "expert_tp": 1}
+    rows = _check_two_process_run(out, code, log, layout, steps=3)
     # the same seeds give the same completions, the same rounds and groups kept, and TP
     # changes only the order of fp32 sums
     same_run_as(out, rows, vllm_run)

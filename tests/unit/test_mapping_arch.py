@@ -11,6 +11,7 @@ from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
 from cwgrpo_megatron.convert.mapping import (
     Rule,
     hf_names,
+    hf_shapes,
     layer_offset,
     megatron_shape,
     shard_pieces,
@@ -172,3 +173,109 @@ def test_megatron_shapes():
     assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (96, 64)
     assert shapes["decoder.layers.0.mlp.linear_fc2.weight"] == (64, 48)
     assert shapes["decoder.final_layernorm.weight"] == (64,)
+
+
+# a Qwen3-MoE config as the hub writes it (num_experts), 8 experts of width 48, top-2
+MOE_HF = dict(
+    HF,
+    architectures=["Qwen3MoeForCausalLM"],
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+    head_dim=16,
+)
+MOE = ModelArch.from_hf_dict(MOE_HF)
+
+
+def test_moe_arch_fields():
+    assert MOE.is_moe and not ARCH.is_moe
+    assert (MOE.num_experts, MOE.moe_topk, MOE.moe_ffn_hidden_size) == (8, 2, 48)
+    assert MOE.moe_norm_topk_prob and MOE.moe_aux_loss_coeff == 0.001
+    assert MOE.qk_layernorm and not MOE.qkv_bias
+    # transformers 5 writes the expert count as num_local_experts
+    v5 = {k: v for k, v in MOE_HF.items() if k != "num_experts"} | {"num_local_experts": 8}
+    assert ModelArch.from_hf_dict(v5) == MOE
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"mlp_only_layers": [0]}, "every layer must be a MoE layer"),
+        ({"decoder_sparse_step": 2}, "every layer must be a MoE layer"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 is not in 1..8"),
+        ({"moe_intermediate_size": 0}, "'moe_intermediate_size' is missing or zero"),
+    ],
+)
+def test_moe_arch_rejects_unsupported(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArch.from_hf_dict({**MOE_HF, **change})
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout", "message"),
+    [
+        (MOE, dict(tp=1, pp=1, ep=3), r"ep=3 does not divide num_experts=8; valid ep: 1, 2, 4, 8"),
+        (MOE, dict(tp=1, pp=1, expert_tp=5), "expert_tp=5 does not divide moe_intermediate_size"),
+        (ARCH, dict(tp=1, pp=1, ep=2), "is a dense model: set parallel.ep=1"),
+    ],
+)
+def test_expert_layout_errors_name_the_fix(arch, layout, message):
+    with pytest.raises(ValueError, match=message):
+        arch.check_layout(**layout)
+
+
+@pytest.mark.parametrize("te_spec", [False, True])
+@pytest.mark.parametrize(("pp", "ep"), [(1, 1), (2, 2), (1, 4)])
+def test_expert_parameters_cover_every_expert_once(te_spec, pp, ep):
+    seen: dict[str, int] = {}
+    for stage in range(pp):
+        for ep_rank in range(ep):
+            for p in stage_params(
+                MOE, pp_rank=stage, pp=pp, ep_rank=ep_rank, ep=ep, te_spec=te_spec
+            ):
+                if p.rule.expert:
+                    for name in p.hf_names:
+                        seen[name] = seen.get(name, 0) + 1
+                    # the Megatron name counts the rank's own experts from 0
+                    local = int(p.hf_names[0].split(".experts.")[1].split(".")[0]) % (8 // ep)
+                    assert (f"weight{local}" if te_spec else f"local_experts.{local}.") in (
+                        p.megatron_name
+                    )
+    experts = {n for n in hf_names(MOE) if ".experts." in n}
+    assert len(experts) == 4 * 8 * 3 and set(seen) == experts
+    assert set(seen.values()) == {1}
+
+
+@pytest.mark.parametrize("expert_tp", [1, 2])
+def test_expert_rules_round_trip(expert_tp):
+    gen = torch.Generator().manual_seed(0)
+    for item in stage_params(MOE, te_spec=False):
+        if not item.rule.expert and "router" not in item.megatron_name:
+            continue
+        shapes = hf_shapes(MOE)
+        hf = [torch.randn(shapes[n], generator=gen) for n in item.hf_names]
+        split = expert_tp if item.rule.expert else 1
+        shards = [
+            to_megatron(item.rule, hf, MOE, tp=split, tp_rank=r, padded_vocab=0)
+            for r in range(split)
+        ]
+        expected = megatron_shape(item.rule, MOE, tp=split, padded_vocab=0)
+        assert all(tuple(s.shape) == expected for s in shards), item.megatron_name
+        for a, b in zip(hf, to_hf(item.rule, shards, MOE), strict=True):
+            assert torch.equal(a, b), item.megatron_name
+        placed = [torch.full_like(t, float("nan")) for t in hf]
+        for r, shard in enumerate(shards):
+            for index, where, values in shard_pieces(item.rule, shard, MOE, tp=split, tp_rank=r):
+                placed[index][where] = values
+        for a, b in zip(hf, placed, strict=True):
+            assert torch.equal(a, b), item.megatron_name
+
+
+def test_a_moe_run_stops_before_its_engines_start():
+    from cwgrpo_megatron.components.sync import check_syncable
+
+    check_syncable(ARCH)
+    with pytest.raises(ValueError, match="experts into the rollout engines is not built yet"):
+        check_syncable(MOE)
