@@ -78,13 +78,7 @@ def build_trainer(cfg: Config, *, sources: Sequence[str] = ()) -> Trainer:
     with contextlib.ExitStack() as stack:
         engines = stack.enter_context(contextlib.ExitStack())  # entered first: released last
         stack.callback(close_control_group, group)  # after Megatron's groups, before the engines
-        parallel.initialize(
-            tp=cfg.parallel.tp,
-            pp=cfg.parallel.pp,
-            ep=cfg.parallel.ep,
-            expert_tp=cfg.parallel.expert_tp,
-            seed=cfg.train.seed,
-        )
+        parallel.initialize(**cfg.parallel.sizes(), seed=cfg.train.seed)
         stack.callback(parallel.destroy)
         actor = _build_actor(cfg, inputs.arch, group)
         rollouts = Rollouts.build(

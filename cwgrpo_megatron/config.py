@@ -90,6 +90,10 @@ class ParallelConfig:
         check_range("parallel.ep", self.ep, low=1)
         check_range("parallel.expert_tp", self.expert_tp, low=1)
 
+    def sizes(self) -> dict[str, int]:
+        """tp, pp, ep and expert_tp: `megatron.parallel.initialize`'s keyword arguments."""
+        return dict(tp=self.tp, pp=self.pp, ep=self.ep, expert_tp=self.expert_tp)
+
 
 @dataclass(kw_only=True, frozen=True)
 class OptimConfig:

@@ -182,21 +182,26 @@ def check_cuda(ctx) -> Result:
 
 
 def check_hf_logits(ctx) -> Result:
+    return _logits_against_hf("hf_logits", ctx["model_dir"], ctx["model_name"], ctx["scratch"])
+
+
+def _logits_against_hf(name: str, hf_dir, label: str, scratch: Path) -> Result:
+    """`hf_dir` converted and run by Megatron on the GPU against transformers on the host."""
     import torch
 
     from cwgrpo_megatron.megatron.conversion import compare_with_hf, hf_to_megatron
     from cwgrpo_megatron.megatron.model import use_transformer_engine
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for this comparison
-    ckpt = hf_to_megatron(ctx["model_dir"], ctx["scratch"] / "megatron", overwrite=True)
-    gaps = compare_with_hf(ctx["model_dir"], ckpt)
+    ckpt = hf_to_megatron(hf_dir, scratch / f"megatron-{name}", overwrite=True)
+    gaps = compare_with_hf(hf_dir, ckpt)
     spec = "te" if use_transformer_engine() else "local"
     ok = gaps["max_abs_logprob"] <= 1e-3
     figure = (
-        f"{ctx['model_name']}, {spec} spec: max |dlogits| {gaps['max_abs_logits']:.2e}, "
+        f"{label}, {spec} spec: max |dlogits| {gaps['max_abs_logits']:.2e}, "
         f"|dlogp| {gaps['max_abs_logprob']:.2e} (tol 1e-3)"
     )
-    return Result("hf_logits", "PASS" if ok else "FAIL", figure, detail={**gaps, "spec": spec})
+    return Result(name, "PASS" if ok else "FAIL", figure, detail={**gaps, "spec": spec})
 
 
 def check_train_step(ctx) -> Result:
@@ -417,23 +422,11 @@ def _tokens(groups) -> list[list[int]]:
 def check_moe_logits(ctx) -> Result:
     """A tiny Qwen3-MoE through Transformer Engine's MoE spec (grouped GEMM, the pre-MLP norm
     of its own) against transformers: the expert names of the TE spec, proven only here."""
-    import torch
-
     from cwgrpo_megatron.checks.tiny import save_tiny_qwen3_moe
-    from cwgrpo_megatron.megatron.conversion import compare_with_hf, hf_to_megatron
-    from cwgrpo_megatron.megatron.model import use_transformer_engine
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     hf_dir = save_tiny_qwen3_moe(ctx["scratch"] / "tiny-moe")
-    ckpt = hf_to_megatron(hf_dir, ctx["scratch"] / "megatron-moe", overwrite=True)
-    gaps = compare_with_hf(hf_dir, ckpt)
-    spec = "te" if use_transformer_engine() else "local"
-    ok = gaps["max_abs_logprob"] <= 1e-3
-    figure = (
-        f"tiny Qwen3-MoE (4 experts, top-2), {spec} spec: max |dlogits| "
-        f"{gaps['max_abs_logits']:.2e}, |dlogp| {gaps['max_abs_logprob']:.2e} (tol 1e-3)"
-    )
-    return Result("moe_logits", "PASS" if ok else "FAIL", figure, detail={**gaps, "spec": spec})
+    label = "tiny Qwen3-MoE (4 experts, top-2)"
+    return _logits_against_hf("moe_logits", hf_dir, label, ctx["scratch"])
 
 
 CHECKS = {

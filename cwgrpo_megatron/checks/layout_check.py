@@ -60,13 +60,7 @@ def tiny_actor(
     groups); call `parallel.destroy()` when done."""
     arch, get = source if source is not None else hf_source(seed=seed, hf_dir=hf_dir)
     if init_parallel:
-        parallel.initialize(
-            tp=cfg.parallel.tp,
-            pp=cfg.parallel.pp,
-            ep=cfg.parallel.ep,
-            expert_tp=cfg.parallel.expert_tp,
-            seed=cfg.train.seed,
-        )
+        parallel.initialize(**cfg.parallel.sizes(), seed=cfg.train.seed)
     try:
         actor = build_actor(
             arch,

@@ -28,6 +28,15 @@ BASE = {
     if k not in ("vocab_size", "tie_word_embeddings", "architectures")
 }
 
+TINY_MOE = dict(
+    vocab_size=1000,
+    tie_word_embeddings=False,
+    head_dim=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
+
 # name -> (config class, model class, overrides)
 CONFIGS = {
     "qwen-untied": (
@@ -48,31 +57,11 @@ CONFIGS = {
         dict(vocab_size=1000, tie_word_embeddings=True, head_dim=32),
     ),
     # Qwen3-MoE: 4 experts of width 32, top-2, both ways of weighting the chosen experts
-    "qwen3-moe": (
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-        dict(
-            vocab_size=1000,
-            tie_word_embeddings=False,
-            head_dim=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            norm_topk_prob=True,
-        ),
-    ),
+    "qwen3-moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(TINY_MOE, norm_topk_prob=True)),
     "qwen3-moe-unnorm": (
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
-        dict(
-            vocab_size=1000,
-            tie_word_embeddings=False,
-            head_dim=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            norm_topk_prob=False,
-        ),
+        dict(TINY_MOE, norm_topk_prob=False),
     ),
     "llama": (
         LlamaConfig,
