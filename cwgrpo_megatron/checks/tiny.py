@@ -113,12 +113,25 @@ def save_tiny_qwen3_moe(
     out: str | os.PathLike, *, seed: int = 0, end_tokens: int = 0, **overrides
 ) -> Path:
     """`save_tiny_qwen3`'s model as a Qwen3-MoE (TINY_ENGINE_QWEN3_MOE) with `overrides`; its
-    router is drawn at std 0.5, so that a token's top-k experts are decided by a margin (at
-    the init scale the expert scores nearly tie, and their top-k flips on rounding)."""
+    router is drawn at std 0.5 (`perturb`)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     settings = {**TINY_ENGINE_QWEN3_MOE, **overrides}
     return _save_tiny(Qwen3MoeConfig, Qwen3MoeForCausalLM, out, seed, end_tokens, settings)
+
+
+def perturb(model) -> None:
+    """Give a freshly initialised model what its init leaves too plain to test: random biases
+    and norms (zeros and ones at init, so a mapping or sync that mixes them up goes unseen),
+    and a MoE router at std 0.5, so that a token's top-k experts are decided by a margin (at
+    the init scale of 0.02 the expert scores nearly tie, and their top-k flips on rounding
+    between two exact implementations). Draws from torch's global generator."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
 
 
 def _save_tiny(config_cls, model_cls, out, seed: int, end_tokens: int, overrides: dict) -> Path:
@@ -126,12 +139,7 @@ def _save_tiny(config_cls, model_cls, out, seed: int, end_tokens: int, overrides
     config = config_cls(**{**TINY_ENGINE_QWEN2, **overrides}, architectures=[model_cls.__name__])
     torch.manual_seed(seed)
     model = model_cls(config)
-    with torch.no_grad():  # random norms and biases, so that their sync is checked too
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            if name.endswith("mlp.gate.weight"):  # a MoE router: see save_tiny_qwen3_moe
-                p.normal_(0.0, 0.5)
+    perturb(model)
     if end_tokens:
         model.generation_config.eos_token_id = [0, *range(300, 300 + end_tokens)]
     model.save_pretrained(out)

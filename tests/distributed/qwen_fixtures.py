@@ -19,7 +19,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from cwgrpo_megatron.checks.tiny import TINY_QWEN2
+from cwgrpo_megatron.checks.tiny import TINY_QWEN2, perturb
 
 # the architecture of the layout check's tiny Qwen2, with vocab / tying / class set per case
 BASE = {
@@ -96,14 +96,7 @@ def make_hf_model(name: str, seed: int = 0):
     config = config_cls(**BASE, **overrides, architectures=[arch])
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    with torch.no_grad():  # random biases and norms, so that their mapping is exercised
-        for name_, p in model.named_parameters():
-            if name_.endswith("bias") or "norm" in name_:
-                p.add_(0.1 * torch.randn_like(p))
-            if name_.endswith("mlp.gate.weight"):
-                # a router at the init scale (0.02) gives near-equal expert scores, whose top-k
-                # can flip on rounding between two exact implementations; this one decides
-                p.normal_(0.0, 0.5)
+    perturb(model)
     return model
 
 
