@@ -34,7 +34,7 @@ from cwgrpo_megatron.common.plugins import check_unchanged, load_plugins
 from cwgrpo_megatron.common.settings import check_length
 from cwgrpo_megatron.components.inputs import Inputs
 from cwgrpo_megatron.components.rollouts import Rollouts
-from cwgrpo_megatron.components.sync import WeightSync, check_syncable
+from cwgrpo_megatron.components.sync import WeightSync
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron import parallel, train_checkpoint
@@ -74,7 +74,6 @@ def build_trainer(cfg: Config, *, sources: Sequence[str] = ()) -> Trainer:
         )
     _check_shared_folder(run, group, wait_s=cfg.run.shared_dir_wait_s)
     inputs = Inputs.read(cfg, group, evaluators=replicas.owners)
-    check_syncable(inputs.arch)  # every rank reads the same architecture: all stop together
     with contextlib.ExitStack() as stack:
         engines = stack.enter_context(contextlib.ExitStack())  # entered first: released last
         stack.callback(close_control_group, group)  # after Megatron's groups, before the engines

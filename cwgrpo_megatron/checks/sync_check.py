@@ -224,6 +224,7 @@ def run_check(
     hf_dir: str,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     backend: str = "vllm",
     rounds: int = 1,
     batch: int = 4,
@@ -253,7 +254,7 @@ def run_check(
         group_size=4,
         steps=rounds,
         world_size=world,
-        overrides=[f"train.params_dtype={dtype}", f"train.seed={seed}", *step],
+        overrides=[f"parallel.ep={ep}", f"train.params_dtype={dtype}", f"train.seed={seed}", *step],
     )
     actor, arch = tiny_actor(cfg, hf_dir=hf_dir)
     owns_engine = False

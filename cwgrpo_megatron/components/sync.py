@@ -26,18 +26,6 @@ from cwgrpo_megatron.weight_sync.senders import Sender
 log = logging.getLogger("cwgrpo_megatron.train")
 
 
-def check_syncable(arch: ModelArch) -> None:
-    """ValueError, before any engine starts, for a model whose weights no sync path carries
-    yet: a MoE model's experts (vLLM keeps them fused, [E, 2f, h] per layer)."""
-    if arch.is_moe:
-        raise ValueError(
-            f"{arch.architecture}: the weight sync of a MoE model's experts into the rollout "
-            "engines is not built yet, so it cannot be trained with rollouts; it converts "
-            "(tools/convert_hf_to_megatron.py --ep), and its train step runs at parallel.ep "
-            "(docs/scaling.md, 'Mixture of experts')"
-        )
-
-
 @dataclass(kw_only=True)
 class WeightSync:
     arch: ModelArch
@@ -64,7 +52,7 @@ class WeightSync:
         weight path (one more, of the owners' offers), both over the job's control group
         `control`, and, when run.verify_sync asks for one, the verifier, calibrated now:
         trainer and engines both hold the start checkpoint."""
-        plan = sync_plan(replicas, control=control)
+        plan = sync_plan(replicas, arch, control=control)
         sender = weight_sender(plan, engine, arch, dtype=cfg.engine_dtype, control=control)
         rank = job_rank()
         if rank == 0:

