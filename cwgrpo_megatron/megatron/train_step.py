@@ -310,7 +310,10 @@ def _loss_func(micro: MicroInputs, actor: Actor, output_tensor: torch.Tensor):
 def _forward_backward(actor: Actor, micro: list[MicroInputs]) -> list[dict]:
     def forward_step(data_iterator, model_chunk):
         m = next(data_iterator)
-        output = model_chunk(m.batch.tokens, m.batch.position_ids, attention_mask=None)
+        routed = {}
+        if actor.arch.is_moe:  # the routers' losses leave out padding (True = padding)
+            routed["padding_mask"] = m.batch.position_ids >= m.batch.lengths[:, None]
+        output = model_chunk(m.batch.tokens, m.batch.position_ids, attention_mask=None, **routed)
         return output, partial(_loss_func, m, actor)
 
     # with packed micro-batches the shapes vary: the pipeline then sends them first
@@ -420,6 +423,8 @@ def _update(actor: Actor, local, plan, old_logp, policy_logp, ref_logp) -> StepR
     ]
     actor.model.zero_grad_buffer()
     actor.optimizer.zero_grad()
+    if actor.arch.is_moe:
+        _scale_router_losses(actor, local)
     clear_aux_losses_tracker()
     outputs = _forward_backward(actor, micro_inputs)
     padded = float(sum(m.padded_tokens for m in plan))
@@ -452,6 +457,22 @@ def _update(actor: Actor, local, plan, old_logp, policy_logp, ref_logp) -> StepR
 ROUTER_LOSS_NAMES = {"load_balancing_loss": "moe/load_balancing_loss"}
 """The logged name of the loss Megatron's router tracker holds for `aux_loss` balancing (any
 other it holds is logged as moe/<its name>)."""
+
+
+def _scale_router_losses(actor: Actor, local: TrainBatch) -> None:
+    """Weight the routers' load-balancing loss like a mean over routed tokens.
+
+    Megatron's per-token losses give micro-batch j's router loss L_j (over its T_j routed
+    tokens: prompt and response, not padding) the gradient weight c T_j, and divide every
+    gradient by the count N of the policy loss's tokens. The coefficient is set to
+    c' = c N / T, with N and T the mini-batch's counts over every data-parallel rank, so the
+    gradient is c sum_j T_j grad L_j / T: independent of the loss mask (overlong masking, the
+    prompt's length) and of padding. One all-reduce of 2 scalars over the DP group."""
+    counts = torch.stack([local.loss_mask.sum(), local.lengths.sum()]).to(torch.float64)
+    counted, routed = sum_over(counts, parallel_state.get_data_parallel_group()).tolist()
+    coefficient = actor.arch.moe_aux_loss_coeff * counted / max(routed, 1.0)
+    # the routers read it at each forward (and at a recomputed one) from the shared config
+    actor.model.config.moe_aux_loss_coeff = coefficient
 
 
 def _router_losses(micro_batches: int) -> dict[str, float]:

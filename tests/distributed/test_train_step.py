@@ -1,6 +1,7 @@
 """The CW-GRPO train step gives the same numbers at every layout (gloo, 1-4 processes)."""
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -361,7 +362,7 @@ def test_padding_micro_batches_for_sequence_parallelism_changes_nothing(budget):
     assert padded_sum == pytest.approx(plain_sum, rel=1e-6)
 
 
-def _moe_run(rank, world, hf_dir, ep, tp=1):
+def _moe_run(rank, world, hf_dir, ep, tp=1, batch_fn=None):
     from cwgrpo_megatron.checks import layout_check
 
     return layout_check.run(
@@ -373,7 +374,26 @@ def _moe_run(rank, world, hf_dir, ep, tp=1):
         steps=2,
         hf_dir=hf_dir,
         overrides=[f"parallel.ep={ep}"],
+        batch_fn=batch_fn,
     )
+
+
+def _router_only_batch(step, arch, *, counted, seq_len):
+    """Equal rewards (no policy gradient: only the routers' loss moves the weights) with the
+    first `counted` of each 6-token response in the loss, padded to `seq_len`."""
+    from cwgrpo_megatron.data.batching import build_train_batch
+
+    gen = torch.Generator().manual_seed(step)
+    prompts = [torch.randint(1, 1000, (3 + p,), generator=gen).tolist() for p in range(4)]
+    responses = [
+        [torch.randint(1, 1000, (6,), generator=gen).tolist() for _ in range(4)] for _ in prompts
+    ]
+    batch = build_train_batch(
+        prompts=prompts, responses=responses, rewards=torch.full((4, 4), 0.5), seq_len=seq_len
+    )
+    for row, first in enumerate(batch.loss_mask.float().argmax(1).tolist()):
+        batch.loss_mask[row, first + counted :] = 0
+    return batch
 
 
 def _save_moe(folder, aux_loss_coef=None) -> str:
@@ -438,3 +458,26 @@ def test_router_losses_enter_the_gradient_and_nothing_else(tmp_path):
     # the switch loss before its coefficient: E * sum_e f_e P_e, 1 when routing is uniform and
     # at most E = 4
     assert 0.0 < on["metrics"][0]["moe/load_balancing_loss"] <= 4.0
+
+
+def test_router_loss_is_a_mean_over_routed_tokens(moe_dir, tmp_path):
+    # with no policy gradient, the step follows the load-balancing loss alone; its weight does
+    # not depend on which response tokens the policy loss counts, nor on padding (Megatron's
+    # per-token losses would otherwise scale it by routed / counted tokens)
+    strong = _save_moe(tmp_path / "strong", 0.5)
+    runs = {
+        (counted, seq_len): run_distributed(
+            _moe_run,
+            2,
+            strong,
+            2,
+            1,
+            partial(_router_only_batch, counted=counted, seq_len=seq_len),
+        )[0]
+        for counted, seq_len in ((6, 16), (2, 16), (6, 24))
+    }
+    ref = runs[6, 16]
+    assert all(g > 1e-4 for g in ref["grad_norm"]), ref["grad_norm"]
+    assert ref["param_checksum"] != ref["initial_checksum"]
+    for key, run in runs.items():
+        assert_same(run, ref, 1e-5, f"counted, seq_len = {key}")
