@@ -212,7 +212,7 @@ def run(
             actor.model.finish_grad_sync = lambda *a, **k: None
         start = _hf_snapshot(actor.model, arch)
         initial = param_checksum(actor.model)
-        losses, norms, skipped, metrics, padded = [], [], [], [], []
+        losses, norms, skipped, metrics, padded, counts = [], [], [], [], [], []
         for step in range(steps):
             if batch_fn is not None:
                 batch = batch_fn(step, arch)
@@ -234,6 +234,7 @@ def run(
                 skipped.append(result.skipped)
                 metrics.append(result.metrics)
                 padded.append(result.padded_tokens)
+                counts.append(result.micro_batches)
         out = {
             "loss": losses,
             "grad_norm": norms,
@@ -242,6 +243,7 @@ def run(
             "skipped": skipped,
             "metrics": metrics,
             "padded_tokens": padded,
+            "micro_batch_counts": counts,
             "layout": {**parallel.layout(), "micro_batches": micro_batches},
         }
         update = _update_stats(actor.model, arch, start, perm)

@@ -69,13 +69,19 @@ class TrainBatch:
         return [self.select(slice(i * size, (i + 1) * size)) for i in range(parts)]
 
     def micro_batches(
-        self, *, size: int | None = None, max_tokens: int | None = None, multiple: int = 1
+        self,
+        *,
+        size: int | None = None,
+        max_tokens: int | None = None,
+        multiple: int = 1,
+        at_least: int = 1,
     ) -> list[MicroBatch]:
         """How this shard is cut for the forward and backward passes: consecutive blocks of
-        `size` rows at the full length s, or, with `max_tokens`, `pack_rows` of the lengths,
-        each padded to a multiple of `multiple` tokens (`padded_to` the shard first)."""
+        `size` rows at the full length s, or, with `max_tokens`, `pack_rows` of the lengths
+        (at least `at_least` of them), each padded to a multiple of `multiple` tokens
+        (`padded_to` the shard first)."""
         if max_tokens is not None:
-            return pack_rows(self.lengths, max_tokens, multiple=multiple)
+            return pack_rows(self.lengths, max_tokens, multiple=multiple, at_least=at_least)
         if size is None or self.rows % size:
             raise ValueError(f"{self.rows} rows are not a multiple of micro_batch_size={size}")
         s = self.tokens.shape[1]
@@ -120,12 +126,18 @@ class MicroBatch:
         return self.rows.numel() * self.length
 
 
-def pack_rows(lengths: Tensor, max_tokens: int, *, multiple: int = 1) -> list[MicroBatch]:
+def pack_rows(
+    lengths: Tensor, max_tokens: int, *, multiple: int = 1, at_least: int = 1
+) -> list[MicroBatch]:
     """Greedy token-budget packing: rows sorted by length, longest first (ties by position),
     each micro-batch takes the next rows while rows x its first (longest) length stays within
     `max_tokens`. Every statistic and normaliser of the step is global, so how rows are packed
     changes no number, only the padding: a micro-batch is padded to its own longest row,
-    rounded up to a multiple of `multiple` (sequence parallelism)."""
+    rounded up to a multiple of `multiple` (sequence parallelism).
+
+    `at_least`: the micro-batch with the most rows (the first of those) is cut in two, longer
+    half first, until there are that many (ranks whose every forward joins one collective, as
+    expert parallelism's all-to-all, must run as many)."""
     if lengths.numel() == 0:
         return []
     longest = int(lengths.max())
@@ -142,6 +154,19 @@ def pack_rows(lengths: Tensor, max_tokens: int, *, multiple: int = 1) -> list[Mi
         end = min(len(sizes), start + max(1, max_tokens // length))
         out.append(MicroBatch(rows=order[start:end], length=length))
         start = end
+    if at_least > lengths.numel():
+        raise ValueError(
+            f"{lengths.numel()} rows cannot make {at_least} micro-batches, as ranks that share an "
+            "expert-parallel all-to-all need; give each data-parallel rank at least as many rows"
+        )
+    while len(out) < at_least:
+        i = max(range(len(out)), key=lambda j: (out[j].rows.numel(), -j))
+        rows, half = out[i].rows, (out[i].rows.numel() + 1) // 2
+        rest = -(-int(lengths[rows[half:]].max()) // multiple) * multiple
+        out[i : i + 1] = [
+            MicroBatch(rows=rows[:half], length=out[i].length),
+            MicroBatch(rows=rows[half:], length=rest),
+        ]
     return out
 
 

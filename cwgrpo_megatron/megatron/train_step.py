@@ -220,10 +220,25 @@ def label_logprobs(logits, labels, *, temperature: float, arch: ModelArch):
 
 def micro_batches(local: TrainBatch, t: TrainConfig, *, multiple: int = 1) -> list[MicroBatch]:
     """This shard's micro-batches: blocks of train.micro_batch_size rows, or rows packed up to
-    train.max_tokens_per_micro_batch tokens; lengths a multiple of `multiple`."""
+    train.max_tokens_per_micro_batch tokens; lengths a multiple of `multiple`. Packed, the
+    ranks of an expert-parallel group (whose every forward joins one all-to-all) make as many
+    as the group's most: one 1-scalar MAX all-reduce over it."""
+    at_least = 1
+    if t.max_tokens_per_micro_batch is not None and _expert_group_size() > 1:
+        own = local.micro_batches(max_tokens=t.max_tokens_per_micro_batch, multiple=multiple)
+        count = torch.tensor([len(own)], device=local.tokens.device)
+        at_least = int(max_over(count, parallel_state.get_expert_tensor_and_model_parallel_group()))
     return local.micro_batches(
-        size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch, multiple=multiple
+        size=t.micro_batch_size,
+        max_tokens=t.max_tokens_per_micro_batch,
+        multiple=multiple,
+        at_least=at_least,
     )
+
+
+def _expert_group_size() -> int:
+    """Ranks sharing an expert-parallel (and expert-TP) all-to-all; 1 for a dense model."""
+    return parallel_state.get_expert_tensor_and_model_parallel_world_size()
 
 
 def logprobs(model, local: TrainBatch, plan: list[MicroBatch], *, temperature: float, arch):

@@ -362,7 +362,7 @@ def test_padding_micro_batches_for_sequence_parallelism_changes_nothing(budget):
     assert padded_sum == pytest.approx(plain_sum, rel=1e-6)
 
 
-def _moe_run(rank, world, hf_dir, ep, tp=1, batch_fn=None):
+def _moe_run(rank, world, hf_dir, ep, tp=1, batch_fn=None, overrides=()):
     from cwgrpo_megatron.checks import layout_check
 
     return layout_check.run(
@@ -373,9 +373,24 @@ def _moe_run(rank, world, hf_dir, ep, tp=1, batch_fn=None):
         seq_len=16,
         steps=2,
         hf_dir=hf_dir,
-        overrides=[f"parallel.ep={ep}"],
+        overrides=[f"parallel.ep={ep}", *overrides],
         batch_fn=batch_fn,
     )
+
+
+def _uneven_batch(step, arch):
+    """Data-parallel rank 0's rows (the first 8) are 5 tokens long, rank 1's 15: packed 16 to a
+    micro-batch, rank 0 needs 3 and rank 1 8."""
+    from cwgrpo_megatron.data.batching import build_train_batch
+
+    gen = torch.Generator().manual_seed(step)
+    prompts = [torch.randint(1, 1000, (3,), generator=gen).tolist() for _ in range(4)]
+    responses = [
+        [torch.randint(1, 1000, (2 if p < 2 else 12,), generator=gen).tolist() for _ in range(4)]
+        for p in range(4)
+    ]
+    rewards = torch.rand((4, 4), generator=gen)
+    return build_train_batch(prompts=prompts, responses=responses, rewards=rewards, seq_len=16)
 
 
 def _router_only_batch(step, arch, *, counted, seq_len):
@@ -481,3 +496,20 @@ def test_router_loss_is_a_mean_over_routed_tokens(moe_dir, tmp_path):
     assert ref["param_checksum"] != ref["initial_checksum"]
     for key, run in runs.items():
         assert_same(run, ref, 1e-5, f"counted, seq_len = {key}")
+
+
+def test_packed_expert_parallel_ranks_make_as_many_micro_batches(tmp_path):
+    # packed, rank 0 fits its rows in 3 micro-batches and rank 1 needs 8; at EP2 each forward
+    # joins the all-to-all, so rank 0 cuts its own into 8 (else it waits for ever). The router
+    # loss is off, so the step is that of EP1, packed as each rank likes
+    plain = _save_moe(tmp_path / "plain", 0.0)
+    budget = [
+        "train.max_tokens_per_micro_batch=16",
+        "data.max_prompt_tokens=4",
+        "rollout.max_tokens=12",
+    ]
+    ref = run_distributed(_moe_run, 2, plain, 1, 1, _uneven_batch, budget)
+    got = run_distributed(_moe_run, 2, plain, 2, 1, _uneven_batch, budget, timeout=120)
+    assert ref[0]["micro_batch_counts"] == [3 + 8] * 2  # over both ranks, for each step
+    assert got[0]["micro_batch_counts"] == [8 + 8] * 2
+    assert_same(got[0], ref[0], 1e-5, "packed ep2")

@@ -62,3 +62,15 @@ def test_sequence_parallel_padding_rounds_lengths_and_pads_with_masked_zeros():
         assert not full[:, width:].any(), name
     assert torch.equal(padded.lengths, batch.lengths)
     assert batch.padded_to(1) is batch
+
+
+def test_at_least_cuts_the_largest_micro_batches_until_there_are_enough():
+    lengths = torch.tensor([3, 9, 4, 8, 2, 5])
+    assert len(pack_rows(lengths, 40)) == 2  # 4 rows of <= 9, then 2 of <= 4
+    plan = pack_rows(lengths, 40, at_least=4, multiple=2)
+    # [1 3 5 2 | 0 4] -> [1 3 | 5 2 | 0 4] -> [1 | 3 | 5 2 | 0 4]
+    assert [m.rows.tolist() for m in plan] == [[1], [3], [5, 2], [0, 4]]
+    assert [m.length for m in plan] == [10, 8, 6, 4]  # each half to its own longest, rounded
+    assert all(int(lengths[m.rows].max()) <= m.length for m in plan)
+    with pytest.raises(ValueError, match="6 rows cannot make 7 micro-batches"):
+        pack_rows(lengths, 40, at_least=7)
