@@ -5,6 +5,9 @@
     # a layout against it: PASS or FAIL, exit 1 on FAIL
     torchrun --nproc-per-node 3 tools/check_layout.py --hf-dir D --tp 3 --against ref.json \
         --out tp3.json
+    # a MoE model's experts split over 2 ranks (expert parallelism)
+    torchrun --nproc-per-node 2 tools/check_layout.py --hf-dir D --ep 2 --against ref.json \
+        --out ep2.json
 
 Runs --steps optimizer steps of the real train step (cw_grpo, global scope) on a fixed seeded
 synthetic batch of prompts, responses and rewards that does not depend on the layout. Each step
@@ -34,6 +37,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (a MoE model)")
     parser.add_argument(
         "--micro-batches", type=int, default=1, help="micro-batches per data-parallel rank and step"
     )
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calibrate", action="store_true", help="measure the fp32 noise")
     parser.add_argument("--against", default=None, help="reference JSON made with --calibrate")
     parser.add_argument("--plant", default=None, help="negative control: kv_heads_misplaced, "
-                        "dp_grad_unreduced")  # fmt: skip
+                        "dp_grad_unreduced, experts_swapped")  # fmt: skip
     parser.add_argument("--out", required=True)
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. algo.policy_loss=grpo")
     args = parser.parse_args(argv)
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
         hf_dir=args.hf_dir,
         num_layers=args.num_layers,
         rel_step=args.rel_step or None,
-        overrides=args.overrides,
+        overrides=[*args.overrides, f"parallel.ep={args.ep}"],
     )
     try:
         result = layout_check.run(tp=args.tp, plant=args.plant, **kwargs)
@@ -153,7 +157,8 @@ def _read_reference(path: Path, setup: dict) -> dict | str:
 
 
 def _layout_name(layout: dict) -> str:
-    return "x".join(f"{k.upper()}{layout[k]}" for k in ("tp", "pp", "dp") if k in layout)
+    keys = ("tp", "pp", "dp", *(("ep",) if layout.get("ep", 1) > 1 else ()))
+    return "x".join(f"{k.upper()}{layout[k]}" for k in keys if k in layout)
 
 
 def _share(code: int) -> int:

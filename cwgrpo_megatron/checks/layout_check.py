@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -122,13 +123,15 @@ def layout_config(
     return cfg
 
 
-PLANTS = ("kv_heads_misplaced", "dp_grad_unreduced")
+PLANTS = ("kv_heads_misplaced", "dp_grad_unreduced", "experts_swapped")
 """Errors `run(plant=...)` builds in on purpose, the negative controls of the check:
 
 - kv_heads_misplaced: tensor-parallel rank r loads the KV heads of rank r + 1 (mod tp), as a
   loader with an off-by-one shard index would (needs tp > 1);
 - dp_grad_unreduced: the gradient all-reduce over data parallelism is skipped, so each replica
-  steps on its own part of the batch (needs dp > 1)."""
+  steps on its own part of the batch (needs dp > 1);
+- experts_swapped: expert-parallel rank r loads the experts of rank r + 1 (mod ep) while the
+  router keeps its order, as an off-by-one expert shard index would (a MoE model, ep > 1)."""
 
 CLIP = 1e-4
 """The clip norm behind `rel_step`: below every gradient norm a real loss gives, so the clip
@@ -194,6 +197,11 @@ def run(
         raise ValueError("plant kv_heads_misplaced needs tp > 1")
     if plant == "dp_grad_unreduced" and dp == 1:
         raise ValueError("plant dp_grad_unreduced needs data parallelism (world > tp x pp)")
+    ep = cfg.parallel.ep
+    if plant == "experts_swapped" and (not arch.is_moe or ep == 1):
+        raise ValueError("plant experts_swapped needs a MoE model (--hf-dir) and parallel.ep > 1")
+    if plant == "experts_swapped":
+        get = _swap_experts(arch, ep, get)
     perm = ChannelPermutation(arch, permute_seed) if permute_seed is not None else None
     transforms = [t for t in (
         perm.apply if perm else None,
@@ -277,6 +285,24 @@ def _misplace_kv_heads(arch: ModelArch, tp: int):
         return tensor
 
     return transform
+
+
+def _swap_experts(arch: ModelArch, ep: int, get):
+    """`get` with expert e's tensors read from expert e + E / ep (mod E): each EP rank holds
+    the next rank's experts."""
+    shift = arch.num_experts // ep
+
+    def swapped(name: str) -> torch.Tensor:
+        m = _EXPERT.match(name)
+        if m is None:
+            return get(name)
+        other = (int(m.group(2)) + shift) % arch.num_experts
+        return get(f"{m.group(1)}{other}{m.group(3)}")
+
+    return swapped
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..+)$")
 
 
 def _hf_snapshot(model, arch: ModelArch) -> dict[str, torch.Tensor] | None:

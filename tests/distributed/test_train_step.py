@@ -6,7 +6,7 @@ from functools import partial
 import pytest
 import torch
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import run_distributed, run_tool
 
 # (tp, pp, micro-batches per DP rank); world = 4 except the reference, so dp = 4 / (tp pp)
 LAYOUTS = {
@@ -513,3 +513,21 @@ def test_packed_expert_parallel_ranks_make_as_many_micro_batches(tmp_path):
     assert ref[0]["micro_batch_counts"] == [3 + 8] * 2  # over both ranks, for each step
     assert got[0]["micro_batch_counts"] == [8 + 8] * 2
     assert_same(got[0], ref[0], 1e-5, "packed ep2")
+
+
+def test_check_layout_passes_ep2_against_ep1_and_fails_swapped_experts(moe_dir, tmp_path):
+    # the reference at the same data-parallel size: the load-balancing loss is Megatron's, over
+    # each micro-batch, so its gradient depends on how the rows fall into micro-batches
+    def check(name, *args):
+        out = str(tmp_path / f"{name}.json")
+        return run_tool("check_layout.py", 2, "--hf-dir", moe_dir, "--out", out, *args)
+
+    code, log = check("ref", "--calibrate")
+    assert code == 0, log
+    ref = str(tmp_path / "ref.json")
+    code, log = check("ep2", "--ep", "2", "--against", ref)
+    assert code == 0 and "PASS: TP1xPP1xDP2xEP2 against TP1xPP1xDP2" in log, log
+    code, log = check("swap", "--ep", "2", "--plant", "experts_swapped", "--against", ref)
+    assert code == 1 and "FAIL:" in log, log
+    code, log = check("dense", "--plant", "experts_swapped", "--against", ref)
+    assert code == 2 and "needs a MoE model (--hf-dir) and parallel.ep > 1" in log, log
