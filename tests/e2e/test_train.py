@@ -365,3 +365,42 @@ def test_sigkill_then_resume_writes_the_uninterrupted_metrics(
     assert len(killed) >= 7 and killed == whole[: len(killed)], killed
     resumed = expected_calls([2, 3], 2, eval_steps=[3], resumed_at=1)
     assert replica_calls(out / "engine_calls.jsonl", 0) == killed + resumed
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE (4 experts, top-2) whose completions end at varied lengths."""
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen3_moe
+
+    return build_once(
+        tmp_path_factory, "tiny_moe", lambda d: save_tiny_qwen3_moe(d / "hf", end_tokens=32)
+    )
+
+
+def test_qwen3_moe_at_ep2_trains_under_torchrun_and_resumes_exactly_after_sigkill(
+    tiny_moe, tmp_path
+):
+    """The whole loop with the experts split over 2 ranks (DP2 x EP2): vLLM rollouts from the
+    synced experts, checkpoints, the HF export; killed in step 2's update and resumed by the
+    launcher, it writes the uninterrupted run's metrics value for value."""
+    ep2 = ("parallel.ep=2", "run.verify_sync=1")
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    env = {"NNODES": "1", "GPUS_PER_NODE": "2"}
+    code, log = launch(
+        ["bash", str(LAUNCHER), *run_args(tiny_moe, whole, *ep2)],
+        env={**env, "MASTER_PORT": str(free_port())},
+    )
+    assert code == 0, log
+    rows = check_run_folder(whole, steps=3)
+    assert json.loads((whole / "env.json").read_text())["layout"]["ep"] == 2
+    assert all(0 < r["moe/load_balancing_loss"] <= 4 for r in rows)
+    kill = [str(KILL_SCRIPT), "in-step", "2", *train_args(tiny_moe, cut, *ep2)]
+    code, log = launch([*torchrun(2), *kill])
+    assert code == 1, log
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_00000001"]
+    code, log = launch(
+        ["bash", str(LAUNCHER), *run_args(tiny_moe, cut, *ep2, "run.resume=auto")],
+        env={**env, "MASTER_PORT": str(free_port())},
+    )
+    assert code == 0 and "resumed from" in log and "at step 1" in log, log
+    assert without_timings(metrics(cut)) == without_timings(rows)
