@@ -12,7 +12,10 @@ and Adam's two fp32 moments plus a 4-byte step counter per tensor. With the dist
 optimizer DDP also holds the parameters in one buffer; the buffer pads every parameter's start
 to 64 elements and every bucket to a multiple of lcm(dp, 128), and each DP rank keeps the
 optimizer state of its 1/dp of each bucket. For bf16 + Adam this is Megatron-LM's 18
-bytes/param, or 6 + 12/dp with the distributed optimizer.
+bytes/param, or 6 + 12/dp with the distributed optimizer. A MoE model's experts (E / ep per
+rank, each of width moe_ffn_hidden_size / expert_tp) have a DDP buffer of their own, sharded
+over the expert-data-parallel ranks (exact on every rank at EP2, EP4 and PP2 x EP2); the plan
+of a MoE model (its activations, routing and dispatcher buffers) is not built yet.
 
 **Activations** (`activation_bytes`): the bytes saved for backward by one micro-batch, per
 layer and for the embedding / head, from the tensors each op keeps. spec "local" is Megatron's
@@ -109,10 +112,29 @@ elements."""
 # ---- parameters and Megatron's buffers -------------------------------------------------------
 
 
-def stage_tensors(arch: ModelArch, *, tp: int, pp: int, stage: int) -> list[tuple[str, int]]:
-    """(name, elements) of stage `stage`'s parameters on one TP rank, in Megatron's
-    named_parameters order (local spec; TE's fused norms hold the same elements)."""
+def stage_tensors(
+    arch: ModelArch, *, tp: int, pp: int, stage: int, ep: int = 1, expert_tp: int = 1
+) -> list[tuple[str, int]]:
+    """(name, elements) of stage `stage`'s parameters on one TP rank (and, for a MoE model,
+    one expert-parallel rank of ep, one expert-TP rank of expert_tp), in Megatron's
+    named_parameters order (local spec; TE's fused norms hold the same elements). A MoE layer
+    holds the router [E, h] and E / ep local experts, each a SwiGLU of width
+    moe_ffn_hidden_size / expert_tp."""
     h, hd = arch.hidden_size, arch.head_dim
+    if arch.is_moe:
+        f = arch.moe_ffn_hidden_size // expert_tp
+        mlp = [("mlp.router.weight", arch.num_experts * h)]
+        for e in range(arch.num_experts // ep):
+            expert = f"mlp.experts.local_experts.{e}"
+            mlp += [
+                (f"{expert}.linear_fc1.weight", 2 * f * h),
+                (f"{expert}.linear_fc2.weight", h * f),
+            ]
+    else:
+        mlp = [
+            ("mlp.linear_fc1.weight", 2 * arch.ffn_hidden_size // tp * h),
+            ("mlp.linear_fc2.weight", h * arch.ffn_hidden_size // tp),
+        ]
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * hd // tp
     vocab = padded_vocab_size(arch.vocab_size, tp=tp) // tp
     out = []
@@ -129,8 +151,7 @@ def stage_tensors(arch: ModelArch, *, tp: int, pp: int, stage: int) -> list[tupl
             else []
         ),
         ("pre_mlp_layernorm.weight", h),
-        ("mlp.linear_fc1.weight", 2 * arch.ffn_hidden_size // tp * h),
-        ("mlp.linear_fc2.weight", h * arch.ffn_hidden_size // tp),
+        *mlp,
     ]
     for i in range(arch.num_layers // pp):
         out += [(f"decoder.layers.{i}.{name}", numel) for name, numel in layer]
@@ -226,29 +247,47 @@ def trainer_state(
     optimizer: str = "adam",
     distributed: bool = False,
     dp_rank: int | None = None,
+    ep: int = 1,
+    expert_tp: int = 1,
+    expert_dp_rank: int | None = None,
 ) -> TrainerState:
-    """Bytes of parameters, gradient buffer and optimizer state on one rank of `stage`; with
+    """Bytes of parameters, gradient buffers and optimizer state on one rank of `stage`; with
     the distributed optimizer, on DP rank `dp_rank` (None: the most-loaded one). Every
     parameter is in `params_dtype` (`megatron.model.build_model` casts the local spec's norms),
-    so DDP keeps one buffer."""
-    by_dtype = {params_dtype: stage_tensors(arch, tp=tp, pp=pp, stage=stage)}
+    so DDP keeps one buffer for the dense parameters. A MoE model's experts have a buffer of
+    their own, sharded over the expert-data-parallel size tp dp / (ep expert_tp) on expert-DP
+    rank `expert_dp_rank`; with a rank left None each buffer's most-loaded rank is counted
+    (for a MoE model an upper bound: the two may be different ranks)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
+    tensors = stage_tensors(arch, tp=tp, pp=pp, stage=stage, ep=ep, expert_tp=expert_tp)
+    groups = [([t for t in tensors if not _is_expert(t[0])], dp, dp_rank)]
+    if arch.is_moe:
+        groups.append(
+            ([t for t in tensors if _is_expert(t[0])], tp * dp // (ep * expert_tp), expert_dp_rank)
+        )
     moments = 8 if optimizer == "adam" else 0
     step_counter = 4 if optimizer == "adam" else 0
-    params = grads = 0
-    ranks = range(dp) if (distributed and dp_rank is None) else [dp_rank or 0]
-    opt = [0] * len(ranks)
-    for dtype, group in by_dtype.items():
-        buffer = grad_buffer(group, arch=arch, pp=pp, dp=dp, distributed=distributed)
+    master = 4 if params_dtype != "float32" else 0
+    params = grads = optimizer_bytes = 0
+    for group, size, rank in groups:
+        buffer = grad_buffer(group, arch=arch, pp=pp, dp=size, distributed=distributed)
         grads += buffer.numel * 4
         used = buffer.numel if distributed else sum(n for _, n in group)
-        params += used * DTYPE_BYTES[dtype]
-        master = 4 if dtype != "float32" else 0
-        for i, r in enumerate(ranks):
-            pieces = _shard_pieces(buffer, dp, r) if distributed else [n for _, n in group]
-            opt[i] += sum(pieces) * (master + moments) + len(pieces) * step_counter
-    return TrainerState(params=params, grads=grads, optimizer=max(opt))
+        params += used * DTYPE_BYTES[params_dtype]
+        ranks = range(size) if (distributed and rank is None) else [rank or 0]
+        optimizer_bytes += max(
+            sum(pieces) * (master + moments) + len(pieces) * step_counter
+            for pieces in (
+                _shard_pieces(buffer, size, r) if distributed else [n for _, n in group]
+                for r in ranks
+            )
+        )
+    return TrainerState(params=params, grads=grads, optimizer=optimizer_bytes)
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
 
 
 def params_total(arch: ModelArch) -> int:
@@ -650,6 +689,12 @@ class Plan:
 
 def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
     """The data-parallel size; ValueError naming valid values when the layout cannot work."""
+    if arch.is_moe:
+        raise ValueError(
+            "the planner counts a MoE model's parameters, gradients and optimizer state "
+            "(`trainer_state` with ep / expert_tp), but not yet its activations, routing and "
+            "token dispatcher buffers or an expert imbalance: no plan for it"
+        )
     setting.engines(cluster)  # a placement that cannot work fails here, as the trainer's would
     cluster = setting.trainer_cluster(cluster)
     tp, pp = setting.tp, setting.pp

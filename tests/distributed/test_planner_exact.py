@@ -1,6 +1,8 @@
 """The planner's trainer-state bytes equal what Megatron-Core allocates, to the byte (gloo, 4
 processes), and its activation bytes equal the tensors saved for backward (1 process)."""
 
+import dataclasses
+
 from tests.distributed.harness import run_distributed
 
 # (tp, pp) on 4 processes: dp = 4 / (tp pp)
@@ -84,6 +86,81 @@ def _measure_states(rank, world):
 def test_trainer_state_bytes_are_exact():
     results = [r for rank in run_distributed(_measure_states, 4, timeout=600) for r in rank]
     assert len(results) == 4 * len(LAYOUTS) * len(MODELS) * len(CASES)
+    for r in results:
+        assert r["measured"]["optimizer"] > 0, r
+        assert r["predicted"] == r["measured"], r["case"]
+
+
+MOE_LAYOUTS = [(1, 2), (1, 4), (2, 2)]
+"""(pp, ep) on 4 processes at tp 1 (a MoE layer trains beside TP only with sequence
+parallelism, which needs Transformer Engine)."""
+
+
+def _measure_moe_states(rank, world):
+    from megatron.core import parallel_state
+
+    from cwgrpo_megatron.analysis.planner import trainer_state
+    from cwgrpo_megatron.checks.memory import trainer_state_bytes
+    from cwgrpo_megatron.checks.tiny import TINY_ENGINE_QWEN3_MOE, TINY_QWEN2
+    from cwgrpo_megatron.config import load_config
+    from cwgrpo_megatron.convert.arch import ModelArch
+    from cwgrpo_megatron.megatron import parallel
+    from cwgrpo_megatron.megatron.cpu import on_cpu
+    from cwgrpo_megatron.megatron.train_step import build_actor
+
+    moe = {**TINY_QWEN2, **TINY_ENGINE_QWEN3_MOE, "architectures": ["Qwen3MoeForCausalLM"]}
+    arch = ModelArch.from_hf_dict(moe)
+    out = []
+    for pp, ep in MOE_LAYOUTS:
+        parallel.initialize(tp=1, pp=pp, ep=ep)
+        layout = parallel.layout()
+        dp_rank, _ = parallel.data_parallel()
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        expert_dp_rank = parallel_state.get_expert_data_parallel_rank()
+        for dtype, distopt in CASES:
+            cfg = load_config(
+                overrides=[
+                    f"parallel.pp={pp}",
+                    f"parallel.ep={ep}",
+                    f"train.params_dtype={dtype}",
+                    f"optim.use_distributed_optimizer={distopt}",
+                    "optim.lr=1e-3",
+                ]
+            )
+            actor = build_actor(
+                arch, lambda model: None, train=cfg.train, algo=cfg.algo, optim=cfg.optim
+            )
+            actor.model.zero_grad_buffer()
+            actor.optimizer.zero_grad()
+            with on_cpu():
+                actor.optimizer.step()
+            predicted = trainer_state(
+                arch,
+                tp=1,
+                pp=pp,
+                dp=layout["dp"],
+                stage=stage,
+                params_dtype=dtype,
+                distributed=distopt,
+                dp_rank=dp_rank,
+                ep=ep,
+                expert_dp_rank=expert_dp_rank,
+            )
+            out.append(
+                dict(
+                    case=(pp, ep, dtype, distopt, rank),
+                    measured=trainer_state_bytes(actor.model, actor.optimizer),
+                    predicted=dataclasses.asdict(predicted),
+                )
+            )
+        parallel.destroy()
+    return out
+
+
+def test_moe_trainer_state_bytes_are_exact_with_expert_parallelism():
+    # the experts' own DDP buffer, sharded over the expert-data-parallel ranks
+    results = [r for rank in run_distributed(_measure_moe_states, 4, timeout=600) for r in rank]
+    assert len(results) == 4 * len(MOE_LAYOUTS) * len(CASES)
     for r in results:
         assert r["measured"]["optimizer"] > 0, r
         assert r["predicted"] == r["measured"], r["case"]
