@@ -22,15 +22,35 @@ def _arch(name):
     return ModelArch.from_hf_dict({**TINY_QWEN2, "vocab_size": 1000, **MODELS[name]})
 
 
+def _allocated(arch, layout: list[str], dtype: str, distopt: bool) -> dict[str, int]:
+    """What Megatron allocates for the trainer's state at `layout` (config overrides), after
+    one optimizer step (Adam creates its moments on the first)."""
+    from cwgrpo_megatron.checks.memory import trainer_state_bytes
+    from cwgrpo_megatron.config import load_config
+    from cwgrpo_megatron.megatron.cpu import on_cpu
+    from cwgrpo_megatron.megatron.train_step import build_actor
+
+    cfg = load_config(
+        overrides=[
+            *layout,
+            f"train.params_dtype={dtype}",
+            f"optim.use_distributed_optimizer={distopt}",
+            "optim.lr=1e-3",
+        ]
+    )
+    actor = build_actor(arch, lambda model: None, train=cfg.train, algo=cfg.algo, optim=cfg.optim)
+    actor.model.zero_grad_buffer()
+    actor.optimizer.zero_grad()
+    with on_cpu():
+        actor.optimizer.step()
+    return trainer_state_bytes(actor.model, actor.optimizer)
+
+
 def _measure_states(rank, world):
     from megatron.core import parallel_state
 
     from cwgrpo_megatron.analysis.planner import trainer_state
-    from cwgrpo_megatron.checks.memory import trainer_state_bytes
-    from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.cpu import on_cpu
-    from cwgrpo_megatron.megatron.train_step import build_actor
 
     out = []
     for tp, pp in LAYOUTS:
@@ -41,23 +61,9 @@ def _measure_states(rank, world):
         for name in MODELS:
             arch = _arch(name)
             for dtype, distopt in CASES:
-                cfg = load_config(
-                    overrides=[
-                        f"parallel.tp={tp}",
-                        f"parallel.pp={pp}",
-                        f"train.params_dtype={dtype}",
-                        f"optim.use_distributed_optimizer={distopt}",
-                        "optim.lr=1e-3",
-                    ]
+                measured = _allocated(
+                    arch, [f"parallel.tp={tp}", f"parallel.pp={pp}"], dtype, distopt
                 )
-                actor = build_actor(
-                    arch, lambda model: None, train=cfg.train, algo=cfg.algo, optim=cfg.optim
-                )
-                actor.model.zero_grad_buffer()
-                actor.optimizer.zero_grad()
-                with on_cpu():
-                    actor.optimizer.step()  # Adam creates its moments on the first step
-                measured = trainer_state_bytes(actor.model, actor.optimizer)
                 predicted = trainer_state(
                     arch,
                     tp=tp,
@@ -100,13 +106,9 @@ def _measure_moe_states(rank, world):
     from megatron.core import parallel_state
 
     from cwgrpo_megatron.analysis.planner import trainer_state
-    from cwgrpo_megatron.checks.memory import trainer_state_bytes
     from cwgrpo_megatron.checks.tiny import TINY_ENGINE_QWEN3_MOE, TINY_QWEN2
-    from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.convert.arch import ModelArch
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.cpu import on_cpu
-    from cwgrpo_megatron.megatron.train_step import build_actor
 
     moe = {**TINY_QWEN2, **TINY_ENGINE_QWEN3_MOE, "architectures": ["Qwen3MoeForCausalLM"]}
     arch = ModelArch.from_hf_dict(moe)
@@ -118,22 +120,7 @@ def _measure_moe_states(rank, world):
         stage = parallel_state.get_pipeline_model_parallel_rank()
         expert_dp_rank = parallel_state.get_expert_data_parallel_rank()
         for dtype, distopt in CASES:
-            cfg = load_config(
-                overrides=[
-                    f"parallel.pp={pp}",
-                    f"parallel.ep={ep}",
-                    f"train.params_dtype={dtype}",
-                    f"optim.use_distributed_optimizer={distopt}",
-                    "optim.lr=1e-3",
-                ]
-            )
-            actor = build_actor(
-                arch, lambda model: None, train=cfg.train, algo=cfg.algo, optim=cfg.optim
-            )
-            actor.model.zero_grad_buffer()
-            actor.optimizer.zero_grad()
-            with on_cpu():
-                actor.optimizer.step()
+            measured = _allocated(arch, [f"parallel.pp={pp}", f"parallel.ep={ep}"], dtype, distopt)
             predicted = trainer_state(
                 arch,
                 tp=1,
@@ -149,7 +136,7 @@ def _measure_moe_states(rank, world):
             out.append(
                 dict(
                     case=(pp, ep, dtype, distopt, rank),
-                    measured=trainer_state_bytes(actor.model, actor.optimizer),
+                    measured=measured,
                     predicted=dataclasses.asdict(predicted),
                 )
             )
