@@ -314,24 +314,94 @@ class Activations:
     """Transient during a forward-only pass (old-logp, reference): one layer and the head."""
 
 
+@dataclass(frozen=True)
+class Experts:
+    """Where a MoE layer's tokens go on one rank: `ep` expert-parallel ranks, each expert split
+    over `expert_tp` ranks, and `imbalance` >= 1, the tokens that reach this rank's experts over
+    the n k / tp x expert_tp of perfectly even routing (1 at ep = 1, where every routed token
+    stays on the rank)."""
+
+    ep: int = 1
+    expert_tp: int = 1
+    imbalance: float = 1.0
+
+    def tokens(self, arch: ModelArch, *, n: int, tp: int) -> int:
+        """Routed tokens this rank's experts compute: the layer's n / tp tokens (sequence
+        parallelism at tp > 1) times top k, gathered over expert_tp ranks."""
+        even = n // tp * arch.moe_topk * self.expert_tp
+        # rounded first, so that imbalance = r / even gives r back exactly
+        return even if self.ep == 1 else math.ceil(round(self.imbalance * even, 6))
+
+
+def _qk_norm_bytes(arch: ModelArch, *, tp: int, n: int, dtype: str, recompute: str, spec: str):
+    """Qwen3's RMSNorm over each head of q and k (a = heads / tp and kv heads / tp of width
+    head_dim). Local spec: each keeps its input in fp32, its rstd and x * rstd in fp32; in
+    fp32 k's input is a view of the qkv output, which the layer keeps then in whole unless
+    selective recompute keeps it anyway. TE (derived): the input and fp32 rstd."""
+    if not arch.qk_layernorm:
+        return 0
+    e = DTYPE_BYTES[dtype]
+    a, kv_heads = arch.num_heads // tp, max(1, arch.num_kv_heads // tp)
+    q, kv = a * arch.head_dim, kv_heads * arch.head_dim
+    if spec == "te":
+        return n * (q + kv) * e + 4 * n * (a + kv_heads)
+    k_input = n * kv * 4
+    if e == 4:
+        k_input = 0 if recompute == "selective" else n * (q + 2 * kv) * 4
+    return 8 * n * q + 4 * n * a + k_input + 4 * n * kv + 4 * n * kv_heads
+
+
+def _moe_bytes(arch: ModelArch, experts: Experts, *, tp: int, n: int, dtype: str, spec: str):
+    """A MoE layer's MLP: routing on the layer's n / tp tokens (fp32 top-k indices as int64 and
+    probabilities, the dispatcher's [E, n] routing map and probabilities, its int64 sort order
+    of the n k routed copies: 5 E + 20 k bytes a token), and for each of the r routed tokens
+    that reach this rank's experts (`Experts.tokens`) its hidden state, its fp32 routing
+    probability and the SwiGLU's tensors of width f = moe_ffn_hidden_size / expert_tp. Local
+    spec (`SequentialMLP`, measured): r (h e + 6 f e + 4); TE's grouped GEMM (derived, as the
+    dense MLP's fused SwiGLU): r (h e + 3 f e + 4)."""
+    e = DTYPE_BYTES[dtype]
+    source = n // tp
+    routing = source * (5 * arch.num_experts + 20 * arch.moe_topk)
+    r = experts.tokens(arch, n=n, tp=tp)
+    f = arch.moe_ffn_hidden_size // experts.expert_tp
+    swiglu = 3 if spec == "te" else 6
+    return routing + r * (arch.hidden_size * e + swiglu * f * e + 4)
+
+
 def layer_saved_bytes(
-    arch: ModelArch, *, tp: int, b: int, s: int, dtype: str, recompute: str, spec: str
+    arch: ModelArch,
+    *,
+    tp: int,
+    b: int,
+    s: int,
+    dtype: str,
+    recompute: str,
+    spec: str,
+    experts: Experts = Experts(),
 ) -> int:
     """Bytes one decoder layer keeps for backward (recompute none or selective)."""
     e, n = DTYPE_BYTES[dtype], b * s
     h, hd = arch.hidden_size, arch.head_dim
     a = arch.num_heads // tp
     q, kv = a * hd, max(1, arch.num_kv_heads // tp) * hd
+    qk_norm = _qk_norm_bytes(arch, tp=tp, n=n, dtype=dtype, recompute=recompute, spec=spec)
+    if arch.is_moe:
+        mlp = _moe_bytes(arch, experts, tp=tp, n=n, dtype=dtype, spec=spec)
+    elif spec == "te":
+        mlp = 3 * n * arch.ffn_hidden_size // tp * e  # fc1 out (2f), swiglu out (f)
+    else:
+        mlp = 5 * n * arch.ffn_hidden_size // tp * e  # fc1 out (2f), silu in/out, gate product
     if spec == "te":
-        # TE: LayerNormLinear keeps x, its normalised copy and fp32 rstd, for both norms; at
-        # tp > 1 the trainer turns sequence parallelism on (`megatron.model.fusion_settings`),
-        # so each holds s / tp of the sequence (TE gathers the normalised copy again in backward)
+        # TE: LayerNormLinear keeps x, its normalised copy and fp32 rstd, for both norms (a MoE
+        # layer's TENorm keeps x and rstd, its router the normalised copy); at tp > 1 the
+        # trainer turns sequence parallelism on (`megatron.model.fusion_settings`), so each
+        # holds s / tp of the sequence (TE gathers the normalised copy again in backward)
         norms = 2 * (2 * n * h * e + 4 * n) // tp
         attn = (2 * q + 2 * kv) * n * e + 4 * a * n  # q, out, k, v; fp32 log-sum-exp
         attn += q * n * e  # linear_proj's input
-        mlp = 3 * n * arch.ffn_hidden_size // tp * e  # fc1 out (2f), swiglu out (f)
-        return norms + attn + mlp
+        return norms + attn + qk_norm + mlp
     # local spec: RMSNorm keeps x and x*rstd in fp32, rstd, and its output for the linear
+    # (the dense fc1, or a MoE layer's router)
     norms = 2 * (2 * n * h * 4 + n * h * e + 4 * n)
     rope = 4 * s * hd * e  # cos and sin for q and for k
     if recompute == "selective":
@@ -341,8 +411,7 @@ def layer_saved_bytes(
         probs = b * a * s * s * (4 + (e if e != 4 else 0))  # fp32 softmax, its cast
         attn = 3 * q * n * e + probs + s * s  # q, GQA-expanded k and v; causal mask
     context = q * n * e
-    mlp = 5 * n * arch.ffn_hidden_size // tp * e  # fc1 out (2f), silu in/out, gate product
-    return norms + rope + attn + context + mlp
+    return norms + rope + attn + qk_norm + context + mlp
 
 
 def activation_bytes(
@@ -359,9 +428,12 @@ def activation_bytes(
     recompute_num_layers: int = 1,
     spec: str = "te",
     loss: bool = True,
+    experts: Experts = Experts(),
 ) -> Activations:
     """One micro-batch `[b, s]` on `stage`; full recompute in chunks of `recompute_num_layers`
-    (uniform) or of the first `recompute_num_layers` layers (block)."""
+    (uniform) or of the first `recompute_num_layers` layers (block). A MoE layer's token
+    dispatcher adds, while the layer runs, its send and receive buffers of the r routed hidden
+    states ([r, h] each, derived: the all-to-all's; at ep = 1 the permuted copy)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
     if spec not in SPECS:
@@ -369,7 +441,10 @@ def activation_bytes(
     e, n = DTYPE_BYTES[dtype], b * s
     h, layers = arch.hidden_size, arch.num_layers // pp
     vocab = padded_vocab_size(arch.vocab_size, tp=tp) // tp
-    one_layer = layer_saved_bytes(arch, tp=tp, b=b, s=s, dtype=dtype, recompute="none", spec=spec)
+    one_layer = layer_saved_bytes(
+        arch, tp=tp, b=b, s=s, dtype=dtype, recompute="none", spec=spec, experts=experts
+    )
+    dispatch = 2 * experts.tokens(arch, n=n, tp=tp) * h * e if arch.is_moe else 0
     if recompute == "full" and recompute_method == "uniform":
         chunks = -(-layers // recompute_num_layers)
         saved = chunks * n * h * e + s * arch.head_dim * 4  # chunk inputs, fp32 rotary freqs
@@ -378,7 +453,7 @@ def activation_bytes(
         saved = kept * n * h * e + (layers - kept) * one_layer + s * arch.head_dim * 4
     else:
         saved = layers * layer_saved_bytes(
-            arch, tp=tp, b=b, s=s, dtype=dtype, recompute=recompute, spec=spec
+            arch, tp=tp, b=b, s=s, dtype=dtype, recompute=recompute, spec=spec, experts=experts
         )
     head_working = forward_head = 0
     if stage == 0:
@@ -400,8 +475,8 @@ def activation_bytes(
     rebuilt = 0
     if recompute == "full":
         rebuilt = one_layer * (recompute_num_layers if recompute_method == "uniform" else 1)
-    working = max(head_working, one_layer + rebuilt)
-    forward_working = max(forward_head + n * vocab * e, one_layer)
+    working = max(head_working, one_layer + rebuilt + dispatch)
+    forward_working = max(forward_head + n * vocab * e, one_layer + dispatch)
     return Activations(saved=saved, working=working, forward_working=forward_working)
 
 
