@@ -14,8 +14,9 @@ each phase of a step (rollout, old_logp, train, wake: the engine's weights back 
 and the verdict against capacity. --gpu-gib is the GPU's total
 memory, of which vLLM takes rollout.gpu_memory_utilization. --search lists every layout (tp,
 pp, micro-batch size, recompute) that fits, fastest first by `planner.step_seconds` (an
-ordering rule, not a prediction). --json prints one JSON object. --plot draws the phases
-stacked by kind.
+ordering rule, not a prediction; ep too for a MoE model). --moe-imbalance is a MoE model's
+tokens on its busiest expert-parallel rank over an even share. --json prints one JSON
+object. --plot draws the phases stacked by kind.
 The model is the config's model.arch (a name of configs/models, or an HF config.json), else
 the config.json in model.path. The formulas are in cwgrpo_megatron/analysis/planner.py. Exit 2 on a
 layout or config that cannot work, 1 when the plan does not fit.
@@ -74,8 +75,15 @@ def report(arch: ModelArch, p: planner.Plan) -> str:
         ("reserve (CUDA context, NCCL)", planner.RESERVE, ""),
     ]
     engines = "" if s.colocated else f" (+ {s.engine_gpus_per_node} engine GPUs a node)"
+    experts = ""
+    if arch.is_moe:
+        experts = (
+            f" ({planner.params_active(arch):,} active); ep={s.ep} expert_tp={s.expert_tp}, "
+            f"routing imbalance {s.moe_imbalance:g};"
+        )
     lines = [
-        f"{planner.params_total(arch):,} parameters; tp={s.tp} pp={s.pp} dp={p.dp} on "
+        f"{planner.params_total(arch):,} parameters{experts or ';'} tp={s.tp} pp={s.pp} "
+        f"dp={p.dp} on "
         f"{c.nodes} x {c.gpus_per_node} GPUs{engines} of {c.gpu_gib:g} GiB ({s.spec} layer "
         "spec)",
         f"micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {s.recompute}, "
@@ -146,12 +154,12 @@ def search_table(arch: ModelArch, found, top: int) -> str:
     lines = [
         f"{len(found)} layouts fit; fastest first by planner.step_seconds "
         "(compute at MFU, 1F1B bubble, TP and DP communication)",
-        "  tp  pp  dp  mbs  tokens/mb  recompute  peak GiB  est. s/step",
+        "  tp  pp  ep  dp  mbs  tokens/mb  recompute  peak GiB  est. s/step",
     ]
     for seconds, p in found[:top]:
         s = p.setting
         lines.append(
-            f"  {s.tp:>2}  {s.pp:>2}  {p.dp:>2}  {s.micro_batch_size:>3}  "
+            f"  {s.tp:>2}  {s.pp:>2}  {s.ep:>2}  {p.dp:>2}  {s.micro_batch_size:>3}  "
             f"{s.micro_batch_size * s.seq_len:>9}  {s.recompute:<9}  {_gib(p.peak)}  "
             f"{seconds:11.1f}"
         )
@@ -170,6 +178,9 @@ def main(argv=None) -> int:
     parser.add_argument("--spec", choices=planner.SPECS, default="te",
                         help="te: Transformer Engine on GPU (default); local: Megatron's local "
                         "spec, as on CPU")  # fmt: skip
+    parser.add_argument("--moe-imbalance", type=float, default=1.0, metavar="X",
+                        help="a MoE model's tokens on the busiest expert-parallel rank over an "
+                        "even share (default 1: even routing)")  # fmt: skip
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
     parser.add_argument("--top", type=int, default=15, help="rows of --search")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -189,7 +200,7 @@ def main(argv=None) -> int:
         cluster = planner.Cluster(
             nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_gib=args.gpu_gib
         )
-        changes = dict(spec=args.spec)
+        changes = dict(spec=args.spec, moe_imbalance=args.moe_imbalance)
         if args.rollout_tp is not None:  # else the config's rollout.tp
             changes["rollout_tp"] = args.rollout_tp
         setting = planner.Setting.from_config(cfg, **changes)

@@ -14,8 +14,7 @@ to 64 elements and every bucket to a multiple of lcm(dp, 128), and each DP rank 
 optimizer state of its 1/dp of each bucket. For bf16 + Adam this is Megatron-LM's 18
 bytes/param, or 6 + 12/dp with the distributed optimizer. A MoE model's experts (E / ep per
 rank, each of width moe_ffn_hidden_size / expert_tp) have a DDP buffer of their own, sharded
-over the expert-data-parallel ranks (exact on every rank at EP2, EP4 and PP2 x EP2); the plan
-of a MoE model (its activations, routing and dispatcher buffers) is not built yet.
+over the expert-data-parallel ranks (exact on every rank at EP2, EP4 and PP2 x EP2).
 
 **Activations** (`activation_bytes`): the bytes saved for backward by one micro-batch, per
 layer and for the embedding / head, from the tensors each op keeps. spec "local" is Megatron's
@@ -62,6 +61,7 @@ phase's bytes by kind.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -296,6 +296,13 @@ def params_total(arch: ModelArch) -> int:
     pad_rows = padded_vocab_size(arch.vocab_size, tp=1) - arch.vocab_size
     vocab_tensors = 1 if arch.tie_embeddings else 2
     return sum(n for _, n in tensors) - vocab_tensors * pad_rows * arch.hidden_size
+
+
+def params_active(arch: ModelArch) -> int:
+    """Parameters a token passes through: all of a dense model's; a MoE model's without the
+    E - k experts per layer that it is not routed to."""
+    idle = (arch.num_experts - arch.moe_topk) * 3 * arch.hidden_size * arch.moe_ffn_hidden_size
+    return params_total(arch) - arch.num_layers * idle
 
 
 # ---- activations -----------------------------------------------------------------------------
@@ -583,11 +590,18 @@ class Setting:
     """What the plan reads from a run config, made only by `from_config`: the config's values
     under their own names, or resolved as the trainer resolves them on GPUs (seq_len,
     sleep_level, micro_batch_size from a token budget); no field has a default of its own but
-    `spec`, the one planner input (the config does not choose the layer spec). The search
-    varies tp, pp, recompute and micro_batch_size (`dataclasses.replace`)."""
+    the planner's inputs, `spec` and `moe_imbalance` (the config chooses neither the layer spec
+    nor the routing). The search varies tp, pp, ep (MoE), recompute and micro_batch_size
+    (`dataclasses.replace`)."""
+
+    @property
+    def experts(self) -> Experts:
+        return Experts(ep=self.ep, expert_tp=self.expert_tp, imbalance=self.moe_imbalance)
 
     tp: int
     pp: int
+    ep: int
+    expert_tp: int
     params_dtype: str
     optimizer: str
     distributed_optimizer: bool
@@ -608,6 +622,9 @@ class Setting:
     recompute_method: str
     recompute_num_layers: int
     spec: str = "te"
+    moe_imbalance: float = 1.0
+    """A MoE model's tokens on the busiest expert-parallel rank over an even share
+    (`Experts.imbalance`): a planner input, as routing is the data's."""
     rollout_tp: int
     """The engine's tensor-parallel size (rollout.tp)."""
     replicas: int | str
@@ -662,6 +679,8 @@ class Setting:
         values = dict(
             tp=cfg.parallel.tp,
             pp=cfg.parallel.pp,
+            ep=cfg.parallel.ep,
+            expert_tp=cfg.parallel.expert_tp,
             params_dtype=t.params_dtype,
             optimizer=cfg.optim.optimizer,
             distributed_optimizer=cfg.optim.use_distributed_optimizer,
@@ -732,7 +751,15 @@ class Plan:
     def to_json(self, arch: ModelArch) -> dict:
         return {
             "params_total": params_total(arch),
-            "layout": {"tp": self.setting.tp, "pp": self.setting.pp, "dp": self.dp},
+            "params_active": params_active(arch),
+            "layout": {
+                "tp": self.setting.tp,
+                "pp": self.setting.pp,
+                "dp": self.dp,
+                "ep": self.setting.ep,
+                "expert_tp": self.setting.expert_tp,
+            },
+            "moe_imbalance": self.setting.moe_imbalance,
             "micro_batch_tokens": self.setting.micro_batch_size * self.setting.seq_len,
             "recompute": self.setting.recompute,
             "stage": self.stage,
@@ -764,16 +791,20 @@ class Plan:
 
 def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
     """The data-parallel size; ValueError naming valid values when the layout cannot work."""
-    if arch.is_moe:
+    if setting.moe_imbalance < 1:
         raise ValueError(
-            "the planner counts a MoE model's parameters, gradients and optimizer state "
-            "(`trainer_state` with ep / expert_tp), but not yet its activations, routing and "
-            "token dispatcher buffers or an expert imbalance: no plan for it"
+            f"moe_imbalance={setting.moe_imbalance}: the busiest rank's tokens over an even "
+            "share is at least 1 (1: perfectly even routing)"
         )
     setting.engines(cluster)  # a placement that cannot work fails here, as the trainer's would
     cluster = setting.trainer_cluster(cluster)
-    tp, pp = setting.tp, setting.pp
-    arch.check_layout(tp=tp, pp=pp)
+    tp, pp, ep, expert_tp = setting.tp, setting.pp, setting.ep, setting.expert_tp
+    arch.check_layout(tp=tp, pp=pp, ep=ep, expert_tp=expert_tp)
+    if arch.is_moe and tp > 1 and setting.spec == "local":
+        raise ValueError(
+            f"tp={tp} with a MoE model needs sequence parallelism, which needs Transformer "
+            "Engine's norms: plan it with spec te, or at tp=1 on the local spec"
+        )
     if cluster.world % (tp * pp):
         raise ValueError(
             f"tp x pp = {tp * pp} does not divide the {cluster.world} GPUs "
@@ -784,6 +815,11 @@ def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
         raise ValueError(
             f"tp={tp} spans nodes of {cluster.gpus_per_node} GPUs; keep tensor parallelism "
             f"inside a node (tp <= {cluster.gpus_per_node})"
+        )
+    if cluster.world % (expert_tp * ep * pp):
+        raise ValueError(
+            f"expert_tp x ep x pp = {expert_tp * ep * pp} does not divide the {cluster.world} "
+            "GPUs: choose ep and expert_tp whose product with pp divides them"
         )
     dp = cluster.world // (tp * pp)
     problem = split_problem(
@@ -844,6 +880,8 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
             params_dtype=setting.params_dtype,
             optimizer=setting.optimizer,
             distributed=setting.distributed_optimizer,
+            ep=setting.ep,
+            expert_tp=setting.expert_tp,
         )
         ref = 0
         if setting.kl_beta > 0:  # a frozen copy: parameters only, no DDP buffer
@@ -854,6 +892,8 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
                 dp=dp,
                 stage=stage,
                 params_dtype=setting.params_dtype,
+                ep=setting.ep,
+                expert_tp=setting.expert_tp,
             ).params
         act = activation_bytes(
             arch,
@@ -867,6 +907,7 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
             recompute_method=setting.recompute_method,
             recompute_num_layers=setting.recompute_num_layers,
             spec=setting.spec,
+            experts=setting.experts,
         )
         train_act = min(pp - stage, micro) * act.saved + act.working
         resident = {
@@ -927,19 +968,22 @@ NETWORK_BYTES_S = 25e9
 
 
 def step_seconds(arch: ModelArch, p: Plan) -> float:
-    """An ordering rule, not a prediction. Per GPU: 2 N flops per token per pass, with
+    """An ordering rule, not a prediction. Per GPU: 2 N flops per token per pass (N the
+    active parameters, `params_active`), with
     forward + backward = 3 passes, one more for old log-probs, one for the reference
     (kl_beta > 0), one for full recompute and 0.1 for selective, at MFU x peak scaled by the
     micro-batch's GEMM efficiency n / (n + 1024); times the 1F1B bubble 1 + (pp - 1) / m; plus
     TP all-reduces (4 per layer of [n, h] bf16, ring, NVLink) and the DP gradient all-reduce
-    (fp32, over the network when DP spans nodes)."""
+    (fp32, over the network when DP spans nodes); a MoE model's token all-to-alls (4 per layer
+    of the [n k, h] routed states in bf16, times the imbalance, over NVLink while ep x tp fits
+    a node)."""
     s = p.setting
     tokens = s.sequences_per_step * s.seq_len
     passes = 3 + 1 + (1 if s.kl_beta > 0 else 0)
     passes += {"none": 0.0, "selective": 0.1, "full": 1.0}[s.recompute]
     n = s.micro_batch_size * s.seq_len
     efficiency = n / (n + 1024)
-    flops = 2 * params_total(arch) * tokens * passes / p.cluster.world
+    flops = 2 * params_active(arch) * tokens * passes / p.cluster.world
     compute = flops / (PEAK_FLOPS * MFU * efficiency)
     compute *= 1 + (s.pp - 1) / p.micro_batches
     tp_bytes = 4 * arch.num_layers * tokens / p.dp * arch.hidden_size * 2 * 2 * (s.tp - 1) / s.tp
@@ -947,7 +991,13 @@ def step_seconds(arch: ModelArch, p: Plan) -> float:
     dp_bytes = 2 * (p.dp - 1) / p.dp * p.state.grads
     cross_node = p.dp * s.tp * s.pp > p.cluster.gpus_per_node
     dp_comm = dp_bytes / (NETWORK_BYTES_S if cross_node else NVLINK_BYTES_S)
-    return compute + tp_comm + dp_comm
+    ep_comm = 0.0
+    if arch.is_moe and s.ep > 1:
+        routed = tokens / p.dp * arch.moe_topk * s.moe_imbalance
+        ep_bytes = 4 * arch.num_layers * routed * arch.hidden_size * 2 * (s.ep - 1) / s.ep
+        within = s.ep * s.tp <= p.cluster.gpus_per_node
+        ep_comm = ep_bytes / (NVLINK_BYTES_S if within else NETWORK_BYTES_S) / s.pp
+    return compute + tp_comm + dp_comm + ep_comm
 
 
 def search(
@@ -957,27 +1007,25 @@ def search(
     *,
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
 ) -> list[tuple[float, Plan]]:
-    """Every (tp, pp, micro_batch_size, recompute) whose plan fits, fastest first by
-    `step_seconds`. tp stays inside a node; vLLM's layout is `base`'s."""
+    """Every (tp, pp, ep, micro_batch_size, recompute) whose plan fits, fastest first by
+    `step_seconds`; ep over the divisors of a MoE model's experts (base's expert_tp). tp stays
+    inside a node; vLLM's layout is `base`'s."""
     found, trainer = [], base.trainer_cluster(cluster)
-    for tp in range(1, trainer.gpus_per_node + 1):
-        for pp in range(1, arch.num_layers + 1):
-            if trainer.world % (tp * pp) or arch.num_layers % pp:
+    eps = divisors(arch.num_experts) if arch.is_moe else [1]
+    for tp, pp, ep in itertools.product(
+        range(1, trainer.gpus_per_node + 1), range(1, arch.num_layers + 1), eps
+    ):
+        if trainer.world % (tp * pp) or arch.num_layers % pp:
+            continue
+        for mbs, recompute in itertools.product(micro_batch_sizes, RECOMPUTE):
+            setting = dataclasses.replace(
+                base, tp=tp, pp=pp, ep=ep, micro_batch_size=mbs, recompute=recompute
+            )
+            try:
+                p = plan(arch, setting, cluster)
+            except ValueError:
                 continue
-            for mbs in micro_batch_sizes:
-                for recompute in RECOMPUTE:
-                    setting = dataclasses.replace(
-                        base,
-                        tp=tp,
-                        pp=pp,
-                        micro_batch_size=mbs,
-                        recompute=recompute,
-                    )
-                    try:
-                        p = plan(arch, setting, cluster)
-                    except ValueError:
-                        continue
-                    if p.fits:
-                        found.append((step_seconds(arch, p), p))
+            if p.fits:
+                found.append((step_seconds(arch, p), p))
     found.sort(key=lambda item: item[0])
     return found

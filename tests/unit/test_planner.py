@@ -84,6 +84,14 @@ def _cli(capsys, *args):
         (["parallel.tp=1", "parallel.pp=5"], "pp=5 does not divide.*valid pp: 1, 2, 4, 7, 14, 28"),
         (["parallel.tp=4", "parallel.pp=4"], "tp x pp = 16 does not divide the 8 GPUs"),
         (["model.arch=qwen9"], "unknown model 'qwen9'.*qwen2p5_math_7b"),
+        (["parallel.ep=2"], "ep=2 and expert_tp=1 split experts.*dense model"),
+        (["model.arch=qwen3_30b_a3b", "parallel.ep=3"], "ep=3 does not divide num_experts=128"),
+        (
+            ["model.arch=qwen3_30b_a3b", "parallel.tp=1", "parallel.pp=2", "parallel.ep=8"],
+            "expert_tp x ep x pp = 16 does not divide the 8 GPUs",
+        ),
+        (["model.arch=qwen3_30b_a3b", "--spec", "local"], "tp=4 with a MoE model needs sequence"),
+        (["model.arch=qwen3_30b_a3b", "--moe-imbalance", "0.9"], "moe_imbalance=0.9.*at least 1"),
     ],
 )
 def test_cli_refuses_impossible_layouts(capsys, overrides, message):
@@ -236,7 +244,7 @@ def test_the_gpu_recipes_state_their_verdict():
     names = {p.stem for p in RECIPES_WITH_VERDICT}
     assert names == {
         "r1_distill_qwen_1p5b", "qwen2p5_math_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
-        "qwen3_1p7b", "qwen3_8b", "qwen3_32b",
+        "qwen3_1p7b", "qwen3_8b", "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b",
     }  # fmt: skip
 
 
@@ -343,3 +351,30 @@ def test_recompute_lowers_activation_bytes_as_megatron_would():
         for mode in planner.RECOMPUTE
     }
     assert kinds["full"] < kinds["selective"] < kinds["none"]
+
+
+def test_a_moe_plan_follows_expert_parallelism_and_the_routing_imbalance(capsys):
+    base = ("--config", "configs/qwen3_30b_a3b.yaml", "--gpu-gib", "140", "--json")
+    even, busy = (
+        json.loads(_cli(capsys, *base, "--moe-imbalance", x)[1]) for x in ("1", "1.5")
+    )
+    ep4 = json.loads(_cli(capsys, *base, "parallel.ep=4")[1])
+    assert even["layout"] == {"tp": 2, "pp": 1, "dp": 4, "ep": 8, "expert_tp": 1}
+    # more tokens on the busiest rank's experts: more activations, the same state
+    assert busy["per_gpu"]["activations"] > even["per_gpu"]["activations"]
+    assert busy["per_gpu"]["params"] == even["per_gpu"]["params"]
+    # half the expert ranks: twice the experts (and their unsharded optimizer state) a GPU
+    experts = 48 * 128 * 3 * 2048 * 768
+    grown = ep4["per_gpu"]["params"] - even["per_gpu"]["params"]
+    assert grown == pytest.approx(experts * 2 * (1 / 4 - 1 / 8), rel=1e-3)
+    # 3.35B of 30.5B parameters are active: 8 of 128 experts a token
+    assert even["params_active"] == HF_COUNTS["qwen3_30b_a3b"] - 48 * 120 * 3 * 2048 * 768
+
+
+def test_the_search_varies_expert_parallelism(capsys):
+    code, out, _ = _cli(
+        capsys, "--config", "configs/qwen3_30b_a3b.yaml", "--gpu-gib", "140", "--search",
+        "--json", "--top", "1000",
+    )  # fmt: skip
+    eps = {row["layout"]["ep"] for row in json.loads(out)["fits"]}
+    assert code == 0 and len(eps) > 1 and eps <= {1, 2, 4, 8, 16, 32, 64, 128}
