@@ -355,9 +355,7 @@ def test_recompute_lowers_activation_bytes_as_megatron_would():
 
 def test_a_moe_plan_follows_expert_parallelism_and_the_routing_imbalance(capsys):
     base = ("--config", "configs/qwen3_30b_a3b.yaml", "--gpu-gib", "140", "--json")
-    even, busy = (
-        json.loads(_cli(capsys, *base, "--moe-imbalance", x)[1]) for x in ("1", "1.5")
-    )
+    even, busy = (json.loads(_cli(capsys, *base, "--moe-imbalance", x)[1]) for x in ("1", "1.5"))
     ep4 = json.loads(_cli(capsys, *base, "parallel.ep=4")[1])
     assert even["layout"] == {"tp": 2, "pp": 1, "dp": 4, "ep": 8, "expert_tp": 1}
     # more tokens on the busiest rank's experts: more activations, the same state
