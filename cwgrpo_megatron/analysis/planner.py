@@ -23,7 +23,10 @@ and values are expanded to every head); it equals the sum of `saved_tensors_hook
 at recompute none, selective and full (with the cw_grpo loss). spec "te" is the Transformer
 Engine spec on GPU (fused attention keeps q, k, v, the output and the log-sum-exp, no s^2
 term, and at tp > 1 sequence parallelism keeps the norms' tensors over s / tp of the
-sequence); it is derived, not measured here. Recompute: selective keeps the inputs of core
+sequence); it is derived, not measured here. Qwen3's per-head q / k norms and a MoE layer's
+routing, routed hidden states and experts' SwiGLU (`_qk_norm_bytes`, `_moe_bytes`) are exact on
+the local spec too, at EP1 and, with each layer's received tokens, EP2; the routed tokens on a
+rank at EP > 1 are an input (`Experts.imbalance`). Recompute: selective keeps the inputs of core
 attention instead of its internals; full keeps each chunk's input hidden state [s, b, h] and
 rebuilds one chunk at a time in backward. 1F1B keeps min(pp - stage, micro-batches)
 micro-batches in flight on a stage.
