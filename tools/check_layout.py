@@ -112,8 +112,8 @@ def main(argv=None) -> int:
         return 2
     code = 0
     if torch.distributed.get_rank() == 0:
-        keys = ("loss", "grad_norm", "param_checksum", "layout", "update")
-        payload = {"setup": setup, **{k: result[k] for k in keys}}
+        keys = ("loss", "grad_norm", "param_checksum", "layout", "update", "routing")
+        payload = {"setup": setup, **{k: result[k] for k in keys if k in result}}
         if calibration:
             payload["noise"] = layout_verdict.noise(result, calibration)
         write_atomic(args.out, json.dumps(payload, indent=2) + "\n")
@@ -122,6 +122,9 @@ def main(argv=None) -> int:
         if ref is not None:
             passed, rows = layout_verdict.verdict(payload, ref)
             print("\n".join(layout_verdict.format_rows(rows)))
+            routing = _routing_differ(payload, ref)
+            if routing:
+                print(routing)
             worst = max(rows, key=lambda r: r["ratio"])
             print(
                 f"{'PASS' if passed else 'FAIL'}: {_layout_name(payload['layout'])} against "
@@ -154,6 +157,26 @@ def _read_reference(path: Path, setup: dict) -> dict | str:
         detail = ", ".join(f"{k}: {theirs.get(k)!r} there, {setup[k]!r} here" for k in changed)
         return f"--against {path} was made with other settings ({detail}): use the same ones"
     return ref
+
+
+def _routing_differ(run: dict, ref: dict) -> str | None:
+    """For a MoE model, the share of (router call, token) pairs on rank 0 whose top-k experts
+    differ from the reference's: a measurement, not part of the verdict (a rounding may flip a
+    near tie). Comparable where rank 0 holds the same rows and layers: equal dp and pp."""
+    if "routing" not in run or "routing" not in ref:
+        return None
+    same = all(run["layout"][k] == ref["layout"][k] for k in ("dp", "pp"))
+    if not same:
+        return (
+            "moe/topk_differ: not comparable (rank 0 holds other rows or layers: dp or pp differ)"
+        )
+    import torch
+
+    from cwgrpo_megatron.megatron.routing import topk_differ
+
+    share = topk_differ(*([torch.tensor(c) for c in r["routing"]] for r in (run, ref)))
+    calls = len(run["routing"])
+    return f"moe/topk_differ: {share:.4%} of rank 0's tokens x {calls} router calls"
 
 
 def _layout_name(layout: dict) -> str:

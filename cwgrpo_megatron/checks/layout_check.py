@@ -7,6 +7,7 @@ is the CLI; the distributed tests call `run` directly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -25,6 +26,7 @@ from cwgrpo_megatron.data.batching import synthetic_batch
 from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.model import load_hf_weights
 from cwgrpo_megatron.megatron.publish import hf_weights, in_engine_group
+from cwgrpo_megatron.megatron.routing import recorded_routing
 from cwgrpo_megatron.megatron.train_step import build_actor, param_checksum, train_step
 
 
@@ -168,7 +170,9 @@ def run(
     plant: one of PLANTS, an error built in on purpose.
 
     Returns on every rank {"loss": [...], "grad_norm": [...], "param_checksum": float,
-    "layout": {...}, "skipped": [...], "metrics": [...]}, and on rank 0 "update": {hf_name:
+    "layout": {...}, "skipped": [...], "metrics": [...]}, for a MoE model "routing" (this
+    rank's top-k expert ids of every router call, `routing.recorded_routing`, as lists), and
+    on rank 0 "update": {hf_name:
     [u, n]} per HF tensor for the change d = theta_end - theta_0 (in the unpermuted model):
     u = sum(r * d) for a fixed Gaussian r seeded by the name, n = |d|. `batch_fn(step, arch)`
     may replace the synthetic batch.
@@ -221,28 +225,30 @@ def run(
         start = _hf_snapshot(actor.model, arch)
         initial = param_checksum(actor.model)
         losses, norms, skipped, metrics, padded, counts = [], [], [], [], [], []
-        for step in range(steps):
-            if batch_fn is not None:
-                batch = batch_fn(step, arch)
-            else:
-                batch = synthetic_batch(
-                    prompts=global_batch // group_size,
-                    group_size=group_size,
-                    seq_len=seq_len,
-                    vocab_size=arch.vocab_size,
-                    seed=seed * 1000 + step,
-                )
-            if perm is not None:
-                batch = dataclasses.replace(
-                    batch, tokens=perm.tokens(batch.tokens), labels=perm.tokens(batch.labels)
-                )
-            for result in train_step(actor, batch):
-                losses.append(result.loss)
-                norms.append(result.grad_norm)
-                skipped.append(result.skipped)
-                metrics.append(result.metrics)
-                padded.append(result.padded_tokens)
-                counts.append(result.micro_batches)
+        routing = recorded_routing(actor.model) if arch.is_moe else contextlib.nullcontext()
+        with routing as calls:
+            for step in range(steps):
+                if batch_fn is not None:
+                    batch = batch_fn(step, arch)
+                else:
+                    batch = synthetic_batch(
+                        prompts=global_batch // group_size,
+                        group_size=group_size,
+                        seq_len=seq_len,
+                        vocab_size=arch.vocab_size,
+                        seed=seed * 1000 + step,
+                    )
+                if perm is not None:
+                    batch = dataclasses.replace(
+                        batch, tokens=perm.tokens(batch.tokens), labels=perm.tokens(batch.labels)
+                    )
+                for result in train_step(actor, batch):
+                    losses.append(result.loss)
+                    norms.append(result.grad_norm)
+                    skipped.append(result.skipped)
+                    metrics.append(result.metrics)
+                    padded.append(result.padded_tokens)
+                    counts.append(result.micro_batches)
         out = {
             "loss": losses,
             "grad_norm": norms,
@@ -254,6 +260,8 @@ def run(
             "micro_batch_counts": counts,
             "layout": {**parallel.layout(), "micro_batches": micro_batches},
         }
+        if calls is not None:
+            out["routing"] = [ids.tolist() for ids in calls]
         update = _update_stats(actor.model, arch, start, perm)
         if update is not None:
             out["update"] = update
