@@ -1,5 +1,6 @@
 """The CW-GRPO train step gives the same numbers at every layout (gloo, 1-4 processes)."""
 
+import json
 import re
 import warnings
 from functools import partial
@@ -540,3 +541,21 @@ def test_check_layout_passes_ep2_against_ep1_and_fails_swapped_experts(moe_dir, 
     assert share[0] < 1.0 and share[1] > max(1.0, 10 * share[0]), share
     code, log = check("dense", "--plant", "experts_swapped", "--against", ref)
     assert code == 2 and "needs a MoE model (--hf-dir) and parallel.ep > 1" in log, log
+
+
+def test_check_routing_measures_rerouted_tokens_and_their_gap(moe_dir, tmp_path):
+    code, out = run_tool("check_routing.py", 1, "--hf-dir", moe_dir, "--json")
+    assert code == 0, out
+    r = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    print({k: r[k] for k in ("float32", "bfloat16", "fp32_vs_bf16_trainer")})
+    fp32, bf16 = r["float32"], r["bfloat16"]
+    # fp32: the two implementations agree to roundings, bf16 to its own precision
+    assert fp32["gap_max"] < 1e-5 < bf16["gap_mean"]
+    for x in (fp32, bf16):
+        # a rerouted token is one whose set differs in at least one layer
+        assert x["topk_differ"] <= x["rerouted_tokens"] <= r["setup"]["layers"] * x["topk_differ"]
+    from cwgrpo_megatron.checks.tiny import save_tiny_qwen3
+
+    dense = save_tiny_qwen3(tmp_path / "dense")
+    code, out = run_tool("check_routing.py", 1, "--hf-dir", str(dense))
+    assert code == 2 and "is a dense model" in out, out

@@ -123,3 +123,16 @@ def test_truncate_keeps_the_first_layers_and_leaves_nothing_half_written(tmp_pat
         truncate_checkpoint(tmp_path / "full", 2, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["first1", "full"]
     assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 1
+
+
+def test_topk_differ_counts_tokens_whose_expert_set_changed():
+    from cwgrpo_megatron.megatron.routing import topk_differ
+
+    a = [torch.tensor([[0, 1], [1, 3], [2, 3]]), torch.tensor([[0, 2], [1, 2], [0, 3]])]
+    b = [a[0].clone(), torch.tensor([[0, 2], [1, 3], [0, 3]])]
+    assert topk_differ(a, a) == 0.0
+    assert topk_differ(a, b) == 1 / 6  # one token of one layer went to expert 3, not 2
+    with pytest.raises(ValueError, match="2 router calls against 1"):
+        topk_differ(a, b[:1])
+    with pytest.raises(ValueError, match="not the same tokens"):
+        topk_differ(a, [a[0], a[1][:2]])
