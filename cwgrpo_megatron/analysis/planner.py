@@ -805,8 +805,9 @@ def check_layout(arch: ModelArch, setting: Setting, cluster: Cluster) -> int:
     arch.check_layout(tp=tp, pp=pp, ep=ep, expert_tp=expert_tp)
     if arch.is_moe and tp > 1 and setting.spec == "local":
         raise ValueError(
-            f"tp={tp} with a MoE model needs sequence parallelism, which needs Transformer "
-            "Engine's norms: plan it with spec te, or at tp=1 on the local spec"
+            f"tp={tp} with a MoE model runs sequence parallelism, whose local-spec "
+            "activations the planner does not count: plan it with spec te, or at tp=1 on the "
+            "local spec"
         )
     if cluster.world % (tp * pp):
         raise ValueError(

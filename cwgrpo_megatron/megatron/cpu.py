@@ -23,13 +23,17 @@ shares the process (the vLLM engine, tests) keeps plain torch:
 - The MoE router's `te_general_gemm`, undefined without Transformer Engine, is defined as
   None, which selects its torch path.
 - Activation recompute reruns layers inside autograd's backward, where torch function modes
-  are not active: `CheckpointFunction.backward` re-enters the device rewrite, and so does the
-  MoE dispatcher's all-to-all backward (`_AllToAll.backward`, which makes its output on
-  `torch.cuda.current_device()`).
+  are not active: `CheckpointFunction.backward` re-enters the device rewrite, and so do the
+  backward passes of the tensor-parallel collectives (`tensor_parallel.mappings`: the MoE
+  dispatcher's all-to-all, sequence parallelism's gathers and reduce-scatters) and of the TP
+  linear layers, which make their buffers on `torch.cuda.current_device()`.
+- The gathers and reduce-scatters of uneven row counts (the MoE dispatcher's at expert_tp > 1
+  under sequence parallelism), which gloo does not have: padded to the largest count, and
+  all-reduced then sliced.
 
-Known limits (rejected by `check_cpu_config` with the fix in the message): sequence parallel
-needs fused norms that torch's CPU norms lack; `apply_rope_fusion` and
-`gradient_accumulation_fusion` need Transformer Engine or apex.
+Known limits (rejected by `check_cpu_config` with the fix in the message): `apply_rope_fusion`
+and `gradient_accumulation_fusion` need Transformer Engine or apex. Sequence parallelism runs
+on the local spec with `model.SequenceParallelRMSNorm`.
 """
 
 from __future__ import annotations
@@ -133,13 +137,50 @@ def _patches() -> list[tuple[Any, str, Any]]:
         with _CudaToCpu():
             return recompute(ctx, *grads)
 
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import layers, mappings
 
-    all_to_all_backward = mappings._AllToAll.backward
+    def backward_on_cpu(function):
+        backward = function.backward
 
-    def all_to_all_backward_on_cpu(ctx, *grads):
-        with _CudaToCpu():
-            return all_to_all_backward(ctx, *grads)
+        def run(ctx, *grads):
+            with _CudaToCpu():
+                return backward(ctx, *grads)
+
+        return (function, "backward", staticmethod(run))
+
+    # the collectives' autograd functions (all-to-all, and sequence parallelism's gathers and
+    # reduce-scatters) and the TP linear's backward make their buffers on
+    # torch.cuda.current_device(), in the autograd engine, where the device rewrite is off
+    functions = [
+        f
+        for f in vars(mappings).values()
+        if isinstance(f, type) and issubclass(f, torch.autograd.Function)
+    ]
+    functions.append(layers.LinearWithGradAccumulationAndAsyncCommunication)
+    gather, reduce_scatter = (
+        mappings._gather_along_first_dim,
+        mappings._reduce_scatter_along_first_dim,
+    )
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        # gloo's all_gather takes equal sizes only: pad each rank's rows to the largest count
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        most = max(output_split_sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((most * group.size(), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[i * most : i * most + n] for i, n in enumerate(output_split_sizes)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        # gloo has no reduce_scatter of a list: the sum of the whole tensor, then this rank's rows
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start : start + input_split_sizes[group.rank()]].contiguous()
 
     return [
         (torch.cuda, "current_device", lambda: 0),
@@ -154,7 +195,9 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (mp_random, "_set_cuda_rng_state", set_state),
         (mp_random.CheckpointFunction, "backward", staticmethod(recompute_on_cpu)),
         (token_dispatcher, "maybe_move_tensor_to_cpu", to_host_on_cpu),
-        (mappings._AllToAll, "backward", staticmethod(all_to_all_backward_on_cpu)),
+        *(backward_on_cpu(f) for f in functions),
+        (mappings, "_gather_along_first_dim", gather_uneven),
+        (mappings, "_reduce_scatter_along_first_dim", reduce_scatter_uneven),
     ]
 
 
@@ -193,11 +236,6 @@ def check_cpu_config(config: Any) -> None:
     """Reject TransformerConfig settings that cannot run on CPU, saying what to change."""
     if cuda_available():
         return
-    if getattr(config, "sequence_parallel", False):
-        raise ValueError(
-            "sequence_parallel is not supported on CPU (torch norms lack the fused "
-            "sequence-parallel path); set sequence_parallel=False"
-        )
     for flag in ("apply_rope_fusion", "gradient_accumulation_fusion"):
         if getattr(config, flag, False):
             raise ValueError(f"{flag} needs Transformer Engine or apex on a GPU; set {flag}=False")

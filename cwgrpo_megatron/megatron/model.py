@@ -28,6 +28,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from cwgrpo_megatron.convert.arch import ModelArch, padded_vocab_size
 from cwgrpo_megatron.convert.mapping import megatron_shape, stage_params, to_megatron
@@ -40,9 +44,11 @@ def use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def fusion_settings(*, te: bool, tp: int = 1) -> dict[str, bool]:
+def fusion_settings(*, te: bool, tp: int = 1, moe: bool = False) -> dict[str, bool]:
     """Megatron's kernel fusions and sequence parallelism: on with Transformer Engine's layers
-    (which needs a GPU), off with the local spec, where the torch layers have none of them.
+    (which needs a GPU), off with the local spec, where the torch layers have none of them,
+    except sequence parallelism for a MoE model at tp > 1, which Megatron's MoE layer needs
+    (the local spec's norms are `SequenceParallelRMSNorm`).
 
     - bias_activation_fusion: SwiGLU in one kernel, so a layer keeps fc1's output alone for the
       backward pass (`analysis.planner`: 3 x [n, f/tp] per layer instead of 5);
@@ -51,9 +57,9 @@ def fusion_settings(*, te: bool, tp: int = 1) -> dict[str, bool]:
       the fp32 `main_grad`; without it the gradient is rounded to bf16 first;
     - sequence_parallel (tp > 1): the norms and the residual stream hold s/tp of the sequence
       and TP's all-reduces become all-gathers and reduce-scatters; micro-batches are padded to
-      a multiple of tp (`sequence_multiple`). Megatron's torch norms refuse it.
+      a multiple of tp (`sequence_multiple`).
     """
-    sp = te and tp > 1
+    sp = (te or moe) and tp > 1
     return dict(
         bias_activation_fusion=te,
         apply_rope_fusion=te,
@@ -129,7 +135,7 @@ def transformer_config(
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         persist_layer_norm=False,
-        **fusion_settings(te=te, tp=tp),
+        **fusion_settings(te=te, tp=tp, moe=arch.is_moe),
         **moe_settings(arch, ep=ep, expert_tp=expert_tp, te=te),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -142,10 +148,23 @@ def transformer_config(
     return config
 
 
-def layer_spec(arch: ModelArch):
-    """Megatron's layer spec for `arch`: Transformer Engine's when it is installed, else the
-    local one (torch modules), with Qwen3's per-head QK norm where the architecture has it and
-    the MoE layer for Qwen3-MoE (TE's grouped GEMM, or the local spec's SequentialMLP)."""
+class SequenceParallelRMSNorm:
+    """torch's RMSNorm, as Megatron's local spec builds it (`WrappedTorchNorm`), that also runs
+    under sequence parallelism: a norm is per token, so on s / tp of the sequence it is the
+    same, and its weight is marked `sequence_parallel` so that Megatron sums its gradient
+    over the TP ranks (`finalize_model_grads`), whose tokens differ."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def layer_spec(arch: ModelArch, config: TransformerConfig):
+    """Megatron's spec for `arch`'s decoder: Transformer Engine's layer when it is installed,
+    else the local one (torch modules) with `SequenceParallelRMSNorm` for every norm, as a
+    block of this stage's layers; with Qwen3's per-head QK norm where the architecture has it
+    and the MoE layer for Qwen3-MoE (TE's grouped GEMM, or the local spec's SequentialMLP)."""
     experts = arch.num_experts or None
     if use_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -157,8 +176,16 @@ def layer_spec(arch: ModelArch):
             moe_grouped_gemm=experts is not None,
             qk_layernorm=arch.qk_layernorm,
         )
-    return get_gpt_layer_local_spec(
+    spec = get_gpt_layer_local_spec(
         num_experts=experts, normalization="RMSNorm", qk_layernorm=arch.qk_layernorm
+    )
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if arch.qk_layernorm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=SequenceParallelRMSNorm
     )
 
 
@@ -186,7 +213,7 @@ def build_model(
     with on_cpu():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(arch),
+            transformer_layer_spec=layer_spec(arch, config),
             vocab_size=padded_vocab_size(
                 arch.vocab_size, tp=tp, divisible_by=make_vocab_size_divisible_by
             ),

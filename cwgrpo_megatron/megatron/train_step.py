@@ -140,7 +140,6 @@ def build_actor(
         **variable,
         **train.recompute_overrides(),
     )
-    _check_moe_training(arch, model.config)
     load_weights(model)
     ref_model = None
     if algo.kl_beta > 0:
@@ -556,17 +555,6 @@ def _reduce_outputs(outputs: list[dict], prepared: Metrics, last: bool, shape: t
     )
     totals = {k: values.pop(k) for k in ("loss", "padded_tokens", "micro_batches")}
     return totals, values, hists
-
-
-def _check_moe_training(arch: ModelArch, config) -> None:
-    """Megatron's MoE layer trains beside tensor parallelism only with sequence parallelism
-    (`fusion_settings`: on with Transformer Engine's layers, which need a GPU)."""
-    if arch.is_moe and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
-        raise ValueError(
-            f"training {arch.architecture} at tp={config.tensor_model_parallel_size} needs "
-            "sequence parallelism, which needs Transformer Engine on a GPU: on CPU train a MoE "
-            "model at parallel.tp=1 and split its experts with parallel.ep"
-        )
 
 
 def param_checksum(model) -> float:

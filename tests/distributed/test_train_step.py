@@ -428,18 +428,33 @@ def moe_dir(tmp_path_factory):
     return _save_moe(tmp_path_factory.mktemp("qwen3-moe"))  # Qwen3-MoE's coefficient, 0.001
 
 
-def test_moe_expert_parallel_step_agrees(moe_dir):
-    # the same CW-GRPO step on the tiny Qwen3-MoE: 2 data-parallel ranks with every expert on
-    # each, and the same 2 ranks with the experts split between them (the all-to-all dispatch)
-    whole = run_distributed(_moe_run, 2, moe_dir, 1)
-    split = run_distributed(_moe_run, 2, moe_dir, 2)
-    ref, got = whole[0], split[0]
+@pytest.fixture(scope="module")
+def moe_reference(moe_dir):
+    """The tiny Qwen3-MoE's steps on 2 data-parallel ranks with every expert on each."""
+    return run_distributed(_moe_run, 2, moe_dir, 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "expert_tp"),
+    [(2, 1, 1), (4, 2, 1), (4, 2, 2)],
+    ids=["dp2-ep2", "tp2-dp2-ep2", "tp2-dp2-ep2-etp2"],
+)
+def test_moe_expert_parallel_step_agrees(moe_dir, moe_reference, world, tp, expert_tp):
+    # the same CW-GRPO step with the experts split over 2 ranks (the all-to-all dispatch), and
+    # beside TP2, where Megatron's MoE layer needs sequence parallelism (on CPU: the local
+    # spec's `SequenceParallelRMSNorm`), with each expert split over 2 ranks too; the
+    # data-parallel size, and so the load-balancing loss's micro-batches, is the reference's
+    ref = moe_reference
+    split = [f"parallel.expert_tp={expert_tp}"]
+    got = run_distributed(_moe_run, world, moe_dir, 2, tp, None, split)[0]
     assert got["layout"]["ep"] == 2 and ref["layout"]["ep"] == 1
+    assert got["layout"]["expert_tp"] == expert_tp
+    assert got["layout"]["tp"] == tp and got["layout"]["dp"] == ref["layout"]["dp"] == 2
     assert (
         all(abs(x) > 1e-4 for x in ref["grad_norm"])
         and ref["param_checksum"] != ref["initial_checksum"]
     )
-    assert_same(got, ref, 1e-5, "qwen3-moe ep2")
+    assert_same(got, ref, 1e-5, f"qwen3-moe ep2 tp{tp} etp{expert_tp}")
     for a, b in zip(got["metrics"], ref["metrics"], strict=True):
         assert a["moe/load_balancing_loss"] == pytest.approx(b["moe/load_balancing_loss"], rel=1e-5)
     # every expert's update reaches the export, each from the rank that holds it
@@ -452,11 +467,6 @@ def test_moe_expert_parallel_step_agrees(moe_dir):
         # measured against |d|, not against u
         assert n > 0 and n == pytest.approx(n_ref, rel=1e-4), (name, n, n_ref)
         assert abs(u - u_ref) <= 1e-4 * n_ref, (name, u, u_ref, n_ref)
-
-
-def test_moe_training_beside_tensor_parallelism_needs_sequence_parallelism(moe_dir):
-    with pytest.raises(RuntimeError, match="needs sequence parallelism"):
-        run_distributed(_moe_run, 2, moe_dir, 1, 2)
 
 
 def test_router_losses_enter_the_gradient_and_nothing_else(tmp_path):

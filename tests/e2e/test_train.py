@@ -377,25 +377,27 @@ def tiny_moe(tmp_path_factory) -> Path:
     )
 
 
-def test_qwen3_moe_at_ep2_trains_under_torchrun_and_resumes_exactly_after_sigkill(
+def test_qwen3_moe_at_tp2_ep2_trains_under_torchrun_and_resumes_exactly_after_sigkill(
     tiny_moe, tmp_path
 ):
-    """The whole loop with the experts split over 2 ranks (DP2 x EP2): vLLM rollouts from the
-    synced experts, checkpoints, the HF export; killed in step 2's update and resumed by the
-    launcher, it writes the uninterrupted run's metrics value for value."""
-    ep2 = ("parallel.ep=2", "run.verify_sync=1")
+    """The whole loop on 4 ranks with the experts split over 2 of them beside TP2 (TP2 x DP2 x
+    EP2, sequence parallel): vLLM rollouts from the synced experts, checkpoints, the HF
+    export; killed in step 2's update and resumed by the launcher, it writes the uninterrupted
+    run's metrics value for value."""
+    ep2 = ("parallel.tp=2", "parallel.ep=2", "run.verify_sync=1")
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    env = {"NNODES": "1", "GPUS_PER_NODE": "2"}
+    env = {"NNODES": "1", "GPUS_PER_NODE": "4"}
     code, log = launch(
         ["bash", str(LAUNCHER), *run_args(tiny_moe, whole, *ep2)],
         env={**env, "MASTER_PORT": str(free_port())},
     )
     assert code == 0, log
     rows = check_run_folder(whole, steps=3)
-    assert json.loads((whole / "env.json").read_text())["layout"]["ep"] == 2
+    layout = json.loads((whole / "env.json").read_text())["layout"]
+    assert (layout["tp"], layout["dp"], layout["ep"]) == (2, 2, 2)
     assert all(0 < r["moe/load_balancing_loss"] <= 4 for r in rows)
     kill = [str(KILL_SCRIPT), "in-step", "2", *train_args(tiny_moe, cut, *ep2)]
-    code, log = launch([*torchrun(2), *kill])
+    code, log = launch([*torchrun(4), *kill])
     assert code == 1, log
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_00000001"]
     code, log = launch(

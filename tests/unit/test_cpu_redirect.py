@@ -62,9 +62,7 @@ def test_model_parallel_rng_tracker_forks_cpu_state():
             assert torch.equal(torch.rand(3), first), "the same seed replays the same stream"
 
 
-@pytest.mark.parametrize(
-    "flag", ["sequence_parallel", "apply_rope_fusion", "gradient_accumulation_fusion"]
-)
+@pytest.mark.parametrize("flag", ["apply_rope_fusion", "gradient_accumulation_fusion"])
 def test_unsupported_cpu_settings_are_rejected(flag):
     with pytest.raises(ValueError, match=f"{flag}.*set {flag}=False"):
         check_cpu_config(SimpleNamespace(**{flag: True}))

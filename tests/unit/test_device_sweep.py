@@ -190,19 +190,20 @@ def test_only_torch_adam_gets_a_per_parameter_step(kind):
 # ---- the model's settings on a GPU ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("tp", [1, 2, 8])
 @pytest.mark.parametrize("te", [False, True], ids=["local", "te"])
-def test_fusions_are_on_with_transformer_engine_and_off_without(te, tp):
+def test_fusions_are_on_with_transformer_engine_and_off_without(te, tp, moe):
     """The builder's flags for (local | te) x tp: TE is only chosen with CUDA
-    (`use_transformer_engine`), so cpu x te does not occur; sequence parallelism needs TE's
-    norms and tp > 1."""
+    (`use_transformer_engine`), so cpu x te does not occur; sequence parallelism is on at
+    tp > 1 with TE, and on the local spec for a MoE model, whose layer needs it."""
     from cwgrpo_megatron.megatron.model import fusion_settings
 
-    flags = fusion_settings(te=te, tp=tp)
+    flags = fusion_settings(te=te, tp=tp, moe=moe)
     fusions = ("bias_activation_fusion", "apply_rope_fusion", "gradient_accumulation_fusion")
     assert set(flags) == {*fusions, "sequence_parallel"}
     assert {flags[name] for name in fusions} == {te}
-    assert flags["sequence_parallel"] is (te and tp > 1)
+    assert flags["sequence_parallel"] is ((te or moe) and tp > 1)
 
 
 def test_the_cpu_model_is_built_without_fusions():

@@ -90,7 +90,7 @@ def _cli(capsys, *args):
             ["model.arch=qwen3_30b_a3b", "parallel.tp=1", "parallel.pp=2", "parallel.ep=8"],
             "expert_tp x ep x pp = 16 does not divide the 8 GPUs",
         ),
-        (["model.arch=qwen3_30b_a3b", "--spec", "local"], "tp=4 with a MoE model needs sequence"),
+        (["model.arch=qwen3_30b_a3b", "--spec", "local"], "tp=4 with a MoE model runs sequence"),
         (["model.arch=qwen3_30b_a3b", "--moe-imbalance", "0.9"], "moe_imbalance=0.9.*at least 1"),
     ],
 )
