@@ -597,10 +597,6 @@ class Setting:
     nor the routing). The search varies tp, pp, ep (MoE), recompute and micro_batch_size
     (`dataclasses.replace`)."""
 
-    @property
-    def experts(self) -> Experts:
-        return Experts(ep=self.ep, expert_tp=self.expert_tp, imbalance=self.moe_imbalance)
-
     tp: int
     pp: int
     ep: int
@@ -639,6 +635,10 @@ class Setting:
     engine_dtype: str
     engine_gpus_per_node: int
     """0: colocated; else rollout.gpus_per_node of separate placement."""
+
+    @property
+    def experts(self) -> Experts:
+        return Experts(ep=self.ep, expert_tp=self.expert_tp, imbalance=self.moe_imbalance)
 
     @property
     def colocated(self) -> bool:
@@ -972,11 +972,11 @@ NETWORK_BYTES_S = 25e9
 
 
 def step_seconds(arch: ModelArch, p: Plan) -> float:
-    """An ordering rule, not a prediction. Per GPU: 2 N flops per token per pass (N the
-    active parameters, `params_active`), with
-    forward + backward = 3 passes, one more for old log-probs, one for the reference
-    (kl_beta > 0), one for full recompute and 0.1 for selective, at MFU x peak scaled by the
-    micro-batch's GEMM efficiency n / (n + 1024); times the 1F1B bubble 1 + (pp - 1) / m; plus
+    """An ordering rule, not a prediction. Per GPU: 2 N flops per token per pass (N the active
+    parameters, `params_active`), with forward + backward = 3 passes, one more for old
+    log-probs, one for the reference (kl_beta > 0), one for full recompute and 0.1 for
+    selective, at MFU x peak scaled by the micro-batch's GEMM efficiency n / (n + 1024); times
+    the 1F1B bubble 1 + (pp - 1) / m; plus
     TP all-reduces (4 per layer of [n, h] bf16, ring, NVLink) and the DP gradient all-reduce
     (fp32, over the network when DP spans nodes); a MoE model's token all-to-alls (4 per layer
     of the [n k, h] routed states in bf16, times the imbalance, over NVLink while ep x tp fits
