@@ -2,6 +2,7 @@
 processes), and its activation bytes equal the tensors saved for backward (1 process)."""
 
 import dataclasses
+from functools import partial
 
 from tests.distributed.harness import run_distributed
 
@@ -184,13 +185,27 @@ RECOMPUTE = {
 }
 
 
+def _built(arch, dtype: str, recompute: list[str]):
+    """(cfg, model in training mode) of the activation measurements: `arch` in `dtype` with
+    the cw_grpo loss, a reference model's KL term and the `recompute` overrides."""
+    from cwgrpo_megatron.config import load_config
+    from cwgrpo_megatron.megatron.model import DTYPES, build_model
+
+    cfg = load_config(overrides=[f"train.params_dtype={dtype}", "algo.kl_beta=0.04", *recompute])
+    model = build_model(
+        arch,
+        params_dtype=DTYPES[dtype],
+        calculate_per_token_loss=True,
+        **cfg.train.recompute_overrides(),
+    )
+    return cfg, model
+
+
 def _measure_activations(rank, world):
     from cwgrpo_megatron.analysis.planner import activation_bytes
     from cwgrpo_megatron.checks.memory import micro_batch_saved_bytes
-    from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.data.batching import synthetic_batch
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.model import DTYPES, build_model
 
     parallel.initialize(tp=1, pp=1)
     out = []
@@ -198,15 +213,7 @@ def _measure_activations(rank, world):
         arch = _arch(name)
         for dtype in ("float32", "bfloat16"):
             for mode, overrides in RECOMPUTE.items():
-                cfg = load_config(
-                    overrides=[f"train.params_dtype={dtype}", "algo.kl_beta=0.04", *overrides]
-                )
-                model = build_model(
-                    arch,
-                    params_dtype=DTYPES[dtype],
-                    calculate_per_token_loss=True,
-                    **cfg.train.recompute_overrides(),
-                )
+                cfg, model = _built(arch, dtype, overrides)
                 for s in lengths:
                     batch = synthetic_batch(
                         prompts=1, group_size=2, seq_len=s, vocab_size=1000, seed=s
@@ -240,27 +247,17 @@ def test_activation_bytes_match_saved_tensors():
 
 
 def _measure_expert_parallel_activations(rank, world):
-    from cwgrpo_megatron.analysis.planner import Experts, activation_bytes
+    from cwgrpo_megatron.analysis.planner import Experts, activation_bytes, layer_saved_bytes
     from cwgrpo_megatron.checks.memory import micro_batch_saved_bytes
-    from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.data.batching import synthetic_batch
     from cwgrpo_megatron.megatron import parallel
-    from cwgrpo_megatron.megatron.model import DTYPES, build_model
 
     parallel.initialize(tp=1, pp=1, ep=2)
     arch, out = _arch("qwen3-moe"), []
     received = []  # the routed tokens that reach this rank's experts, layer by layer
     for dtype in ("float32", "bfloat16"):
         for mode in ("none", "selective"):
-            cfg = load_config(
-                overrides=[f"train.params_dtype={dtype}", "algo.kl_beta=0.04", *RECOMPUTE[mode]]
-            )
-            model = build_model(
-                arch,
-                params_dtype=DTYPES[dtype],
-                calculate_per_token_loss=True,
-                **cfg.train.recompute_overrides(),
-            )
+            cfg, model = _built(arch, dtype, RECOMPUTE[mode])
             for layer in model.decoder.layers:
                 layer.mlp.experts.register_forward_hook(
                     lambda module, args, output: received.append(args[0].shape[0])
@@ -275,27 +272,21 @@ def _measure_expert_parallel_activations(rank, world):
                 predicted = activation_bytes(
                     arch, tp=1, pp=1, stage=0, b=2, s=s, dtype=dtype, recompute=mode, spec="local"
                 ).saved
-                # the layers' routed tokens enter linearly: replace each layer's even share by
-                # its own (`Experts.imbalance` of that layer)
-                for r in received:
-                    predicted += sum(
-                        sign
-                        * layer_saved_bytes_at(arch, dtype, mode, s, Experts(ep=2, imbalance=x))
-                        for sign, x in ((1, r / even), (-1, 1.0))
-                    )
+                # each layer's own routed tokens in place of the even share: the layer's bytes at
+                # its `Experts.imbalance`, less those at 1
+                layer = partial(
+                    layer_saved_bytes, arch, tp=1, b=2, s=s, dtype=dtype, recompute=mode,
+                    spec="local",
+                )  # fmt: skip
+                even_layer = layer(experts=Experts(ep=2))
+                predicted += sum(
+                    layer(experts=Experts(ep=2, imbalance=r / even)) - even_layer for r in received
+                )
                 uneven = max(received) != min(received)
                 case = (dtype, mode, s, rank)
                 out.append(dict(case=case, m=measured, p=predicted, uneven=uneven))
     parallel.destroy()
     return out
-
-
-def layer_saved_bytes_at(arch, dtype, mode, s, experts):
-    from cwgrpo_megatron.analysis.planner import layer_saved_bytes
-
-    return layer_saved_bytes(
-        arch, tp=1, b=2, s=s, dtype=dtype, recompute=mode, spec="local", experts=experts
-    )
 
 
 def test_moe_activation_bytes_at_expert_parallelism_follow_the_routed_tokens():
