@@ -438,6 +438,9 @@ class Config:
                 "a step needs another round takes an all-gather that the background "
                 "generation does not make): turn one of them off"
             )
+        problem = engine_stats_problem(self)
+        if problem:
+            raise ValueError(f"algo.stats_logp=rollout with {problem}: use algo.stats_logp=trainer")
         if "heldout" in self.eval.benchmarks and d.heldout_size == 0:
             raise ValueError(
                 "eval.benchmarks names heldout but data.heldout_size=0: set data.heldout_size"
@@ -482,6 +485,32 @@ class Config:
             mini_batches=t.ppo_mini_batches,
             micro_batch_size=None if budget else t.micro_batch_size,
         )
+
+
+def engine_stats_problem(cfg: Config) -> str | None:
+    """Why the engine's sampling log-probs are not those of the policy being updated, which
+    `algo.stats_logp=rollout` takes them for, or None when they are (up to the engine's
+    numerical gap, `sync/gap`)."""
+    r, t = cfg.rollout, cfg.train
+    if cfg.algo.stats_logp != "rollout":
+        return None
+    if r.async_steps:
+        return (
+            "rollout.async_steps=1: the engine sampled with the policy one step behind the "
+            "one being updated"
+        )
+    if r.top_p < 1 or r.top_k > 0:
+        return (
+            f"rollout.top_p={r.top_p}, top_k={r.top_k}: the engine's log-probs are of the "
+            "truncated distribution it sampled from, not the policy's softmax over the "
+            "vocabulary (they differ by the log of the kept mass)"
+        )
+    if t.ppo_mini_batches > 1:
+        return (
+            f"train.ppo_mini_batches={t.ppo_mini_batches}: mini-batch k > 0 updates a policy "
+            "the engine did not sample from (and its l_old needs the forward-only pass anyway)"
+        )
+    return None
 
 
 def split_problem(

@@ -17,6 +17,7 @@ from cwgrpo_megatron.algo.losses import (
     PolicyLoss,
     build_policy_loss,
     get_policy_loss,
+    needs_policy_pass,
     register_policy_loss,
 )
 from cwgrpo_megatron.algo.scope import Scope
@@ -34,5 +35,6 @@ __all__ = [
     "get_policy_loss",
     "group_advantages",
     "kernel_weights",
+    "needs_policy_pass",
     "register_policy_loss",
 ]

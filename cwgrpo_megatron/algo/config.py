@@ -9,6 +9,7 @@ from cwgrpo_megatron.algo.names import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     SCOPE_NAMES,
+    STATS_LOGP,
 )
 from cwgrpo_megatron.common.settings import check_choice, check_options, check_range
 
@@ -37,6 +38,13 @@ class AlgoConfig:
     """Added to the group std before dividing."""
     cov_scope: str = "global"
     """Token pool of the covariance statistics: global, group or micro_batch (layout-dependent)."""
+    stats_logp: str = "trainer"
+    """The log-probs l of the covariance statistics (cw_grpo's c and sigma, clip_cov's and
+    kl_cov's selections, the cw/* diagnostics): trainer (the policy being updated, from the
+    trainer: a forward-only pass before the update when the loss reads them) or rollout (the
+    engine's sampling log-probs of the same policy, so no pass; refused with
+    rollout.async_steps=1, top_p < 1, top_k > 0 or train.ppo_mini_batches > 1, where they are
+    not that policy's: docs/design.md, section 2)."""
     clip_eps_low: float = 0.2
     """PPO ratio clip below: rho >= 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
@@ -76,6 +84,7 @@ class AlgoConfig:
             "algo.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS.names()
         )
         check_choice("algo.cov_scope", self.cov_scope, SCOPE_NAMES)
+        check_choice("algo.stats_logp", self.stats_logp, STATS_LOGP)
         check_choice("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS.names())
         check_choice("algo.loss_agg", self.loss_agg, LOSS_AGGREGATIONS.names())
         check_range("algo.adv_eps", self.adv_eps, low=0.0)

@@ -5,7 +5,9 @@ Every loss works in two phases:
 1. `prepare(policy_logp, advantages, mask, scope=..., cfg=..., old_logp=...)`, once per
    optimizer step, computes a per-token constant `token_stat [b, s]` from scope statistics
    (e.g. CW-GRPO's w~). `policy_logp` are the detached log-probs of the policy about to be
-   updated (the forward-only pass); they equal `old_logp` only for a rollout's first
+   updated (a forward-only pass, the engine's sampling log-probs with
+   `algo.stats_logp=rollout`, or, for a loss that reads no token_stat, the training pass's,
+   after it: `needs_policy_pass`); they equal `old_logp` only for a rollout's first
    mini-batch. The scope's `reduce_sum` is the only communication.
 2. `__call__(batch, cfg)`, per micro-batch, returns `LossOutput(loss_sum, num_tokens, metrics)`
    in Megatron's `calculate_per_token_loss` form: the trainer divides the global sum of
@@ -98,6 +100,17 @@ class PolicyLoss:
     CW-GRPO runs log the same cw/sigma and cw/top1pct_cov_share."""
 
     name = "grpo"
+    uses_token_stat = False
+    """Whether `token_loss` reads `prepare`'s token_stat, so the statistics must exist before
+    the update. When it does not, `prepare` yields diagnostics only, and a step of one
+    mini-batch runs it after the training pass on that pass's detached log-probs
+    (`needs_policy_pass`). A subclass that defines its own `prepare` reads token_stat unless
+    it sets this to False."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "prepare" in vars(cls) and "uses_token_stat" not in vars(cls):
+            cls.uses_token_stat = True
 
     def prepare(
         self,
@@ -241,6 +254,21 @@ def build_policy_loss(cfg: AlgoConfig) -> PolicyLoss:
         return get_policy_loss(name, **cfg.options.get(name, {}))
     except (TypeError, ValueError) as err:
         raise ValueError(f"algo.options.{name}: {err}") from err
+
+
+def needs_policy_pass(cfg: AlgoConfig, mini_batches: int) -> bool:
+    """Whether a step runs a forward-only pass of the policy over its rollout batch before the
+    first update.
+
+    Mini-batch k > 0 needs it for rho's denominator l_old (the policy before the first update,
+    which its training pass no longer is). With one mini-batch, that training pass is the
+    policy before the update: its detached log-probs are l_old (rho = 1 in value, as in TRL
+    and verl on-policy), and the statistics come from them after the pass, or from the engine
+    (`algo.stats_logp=rollout`), unless the loss reads token_stat and they are the trainer's.
+    """
+    if mini_batches > 1:
+        return True
+    return cfg.stats_logp == "trainer" and POLICY_LOSSES.get(cfg.policy_loss).uses_token_stat
 
 
 def _require_stat(batch: PolicyBatch, name: str) -> Tensor:

@@ -10,3 +10,5 @@ KL_ESTIMATORS = Registry("KL estimator", defined_in="cwgrpo_megatron.algo.kl")
 LOSS_AGGREGATIONS = Registry("loss aggregation", defined_in="cwgrpo_megatron.algo.aggregation")
 SCOPE_NAMES = ("global", "group", "micro_batch")
 """The token pools of the covariance statistics (`algo.scope`)."""
+STATS_LOGP = ("trainer", "rollout")
+"""Where the covariance statistics' log-probs come from (`AlgoConfig.stats_logp`)."""

@@ -49,7 +49,8 @@ share of the step's sequences; an engine's GPU is the most-loaded one.
 RESERVE (CUDA context, NCCL, allocator fragmentation):
 
     rollout   state + reference + vLLM's whole reservation (weights, KV cache, workspace)
-    old_logp  state + reference + vLLM asleep + one forward's working set
+    old_logp  state + reference + vLLM asleep + one forward's working set (only where the step
+              runs a forward-only pass: `algo.needs_policy_pass`, or a reference model)
     train     state + reference + vLLM asleep + activations in flight + backward working set
     wake      state + reference + vLLM asleep + its weights (woken for the sync; the KV
               cache wakes after it, when the trainer's activations are gone) + what the
@@ -71,6 +72,7 @@ from typing import NamedTuple
 
 import torch
 
+from cwgrpo_megatron.algo import needs_policy_pass
 from cwgrpo_megatron.comm.vocab_parallel import GPU_CHUNK_ELEMENTS
 from cwgrpo_megatron.config import (
     OPTIMIZERS,
@@ -605,6 +607,8 @@ class Setting:
     optimizer: str
     distributed_optimizer: bool
     kl_beta: float
+    policy_pass: bool
+    """The step runs a forward-only pass of the policy (`algo.needs_policy_pass`)."""
     micro_batch_size: int
     """Rows of a micro-batch; from a token budget, the rows of the longest length it holds."""
     seq_len: int
@@ -639,6 +643,12 @@ class Setting:
     @property
     def experts(self) -> Experts:
         return Experts(ep=self.ep, expert_tp=self.expert_tp, imbalance=self.moe_imbalance)
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """PHASES of this step: old_logp only where it runs a forward-only pass."""
+        passes = self.policy_pass or self.kl_beta > 0
+        return tuple(p for p in PHASES if p != "old_logp" or passes)
 
     @property
     def colocated(self) -> bool:
@@ -688,6 +698,7 @@ class Setting:
             optimizer=cfg.optim.optimizer,
             distributed_optimizer=cfg.optim.use_distributed_optimizer,
             kl_beta=cfg.algo.kl_beta,
+            policy_pass=needs_policy_pass(cfg.algo, t.ppo_mini_batches),
             micro_batch_size=mbs,
             seq_len=seq_len,
             sequences_per_step=t.sequences_per_step,
@@ -925,7 +936,7 @@ def plan(arch: ModelArch, setting: Setting, cluster: Cluster) -> Plan:
         beside = vllm.parts if setting.colocated else lambda phase: {}
         parts = {
             phase: resident | {"activations": activations.get(phase, 0)} | beside(phase)
-            for phase in PHASES
+            for phase in setting.phases
         }
         if vllm.reserved:
             parts["wake"]["sync buffers"] = sync_bytes(
@@ -973,17 +984,17 @@ NETWORK_BYTES_S = 25e9
 
 def step_seconds(arch: ModelArch, p: Plan) -> float:
     """An ordering rule, not a prediction. Per GPU: 2 N flops per token per pass (N the active
-    parameters, `params_active`), with forward + backward = 3 passes, one more for old
-    log-probs, one for the reference (kl_beta > 0), one for full recompute and 0.1 for
-    selective, at MFU x peak scaled by the micro-batch's GEMM efficiency n / (n + 1024); times
-    the 1F1B bubble 1 + (pp - 1) / m; plus
+    parameters, `params_active`), with forward + backward = 3 passes, one more for the
+    forward-only pass of the policy (`Setting.policy_pass`), one for the reference (kl_beta >
+    0), one for full recompute and 0.1 for selective, at MFU x peak scaled by the micro-batch's
+    GEMM efficiency n / (n + 1024); times the 1F1B bubble 1 + (pp - 1) / m; plus
     TP all-reduces (4 per layer of [n, h] bf16, ring, NVLink) and the DP gradient all-reduce
     (fp32, over the network when DP spans nodes); a MoE model's token all-to-alls (4 per layer
     of the [n k, h] routed states in bf16, times the imbalance, over NVLink while ep x tp fits
     a node)."""
     s = p.setting
     tokens = s.sequences_per_step * s.seq_len
-    passes = 3 + 1 + (1 if s.kl_beta > 0 else 0)
+    passes = 3 + (1 if s.policy_pass else 0) + (1 if s.kl_beta > 0 else 0)
     passes += {"none": 0.0, "selective": 0.1, "full": 1.0}[s.recompute]
     n = s.micro_batch_size * s.seq_len
     efficiency = n / (n + 1024)

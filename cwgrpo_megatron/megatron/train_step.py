@@ -5,8 +5,8 @@ Per rollout batch (identical on every rank), for each PPO mini-batch k:
     1. this DP rank's shard of mini-batch k, cut into micro-batches: blocks of
        train.micro_batch_size rows, or rows packed by length up to a token budget (each padded
        to its own longest row; the statistics below see the shard's [b, s] in row order)
-    2. forward-only pass -> old log-probs l_old [b, s] (and entropy) on the last stage;
-       for k > 0 a fresh pass of the current policy gives the statistics' log-probs
+    2. forward-only pass -> old log-probs l_old [b, s] on the last stage; for k > 0 a fresh
+       pass of the current policy gives the statistics' log-probs
     3. scope statistics -> per-token constant (w~ for cw_grpo): at most 3 tiny all-reduces over
        the DP group on the last stage; no TP reduction (TP ranks hold identical [b, s]
        log-probs) and no PP broadcast (only the last stage has a loss)
@@ -14,6 +14,11 @@ Per rollout batch (identical on every rank), for each PPO mini-batch k:
        (loss_sum, num_tokens, metrics) and Megatron divides gradients by the global count
     5. a non-finite gradient anywhere skips the step (one 1-scalar MAX all-reduce)
     6. optimizer step (gradient clipping inside), LR schedule step
+
+No pass at all (`algo.needs_policy_pass` is False) with one mini-batch (M = 1) when the loss
+reads no token_stat (grpo) or the statistics are the engine's (`algo.stats_logp=rollout`): the
+training forward is then the policy that l_old must be, so its detached log-probs are l_old,
+and grpo's diagnostics (step 3) run after step 4 on them, with the same reductions.
 
 Cost of several mini-batches: mini-batch 0 reuses the rollout's forward-only pass; each later
 one runs one more forward-only pass over its rows, i.e. (M - 1) / M extra forward passes of the
@@ -47,7 +52,7 @@ from megatron.core.transformer.moe.moe_utils import (
     reduce_aux_losses_tracker_across_ranks,
 )
 
-from cwgrpo_megatron.algo import PolicyBatch, PolicyLoss, build_policy_loss
+from cwgrpo_megatron.algo import PolicyBatch, PolicyLoss, build_policy_loss, needs_policy_pass
 from cwgrpo_megatron.algo.config import AlgoConfig
 from cwgrpo_megatron.algo.metrics import Metrics, finalize, histograms, merge
 from cwgrpo_megatron.comm import (
@@ -275,6 +280,7 @@ class MicroInputs:
 
     batch: TrainBatch
     old_logp: torch.Tensor | None
+    """None: the training forward's own detached log-probs (one mini-batch, no pass)."""
     token_stat: torch.Tensor | None
     ref_logp: torch.Tensor | None
 
@@ -288,14 +294,15 @@ def micro_batch_loss(
     temperature: float,
     arch,
 ):
-    """The policy loss `loss` of one micro-batch from this rank's logits shard
-    `[m, length, V/tp]` (`algo.losses.LossOutput`)."""
+    """(the policy loss `loss` of one micro-batch from this rank's logits shard
+    `[m, length, V/tp]` (`algo.losses.LossOutput`), its detached log-probs `[m, length]`)."""
     b = micro.batch
     logp, entropy = label_logprobs(output_tensor, b.labels, temperature=temperature, arch=arch)
-    return loss(
+    detached = logp.detach()
+    out = loss(
         PolicyBatch(
             logp=logp,
-            old_logp=micro.old_logp,
+            old_logp=detached if micro.old_logp is None else micro.old_logp,
             advantages=b.advantages,
             mask=b.loss_mask,
             token_stat=micro.token_stat,
@@ -305,10 +312,11 @@ def micro_batch_loss(
         ),
         algo,
     )
+    return out, detached
 
 
 def _loss_func(micro: MicroInputs, actor: Actor, output_tensor: torch.Tensor):
-    out = micro_batch_loss(
+    out, logp = micro_batch_loss(
         output_tensor,
         micro,
         actor.loss,
@@ -318,7 +326,8 @@ def _loss_func(micro: MicroInputs, actor: Actor, output_tensor: torch.Tensor):
     )
     # the schedule divides loss_sum in place: report copies
     report = {"loss_sum": out.loss_sum.detach().clone(), "count": out.num_tokens.detach().clone()}
-    return out.loss_sum, out.num_tokens.to(torch.int), {**report, "metrics": out.metrics}
+    report |= {"metrics": out.metrics, "logp": logp}
+    return out.loss_sum, out.num_tokens.to(torch.int), report
 
 
 def _forward_backward(actor: Actor, micro: list[MicroInputs]) -> list[dict]:
@@ -367,7 +376,8 @@ def train_step(
     """All PPO mini-batch updates of one rollout batch; one StepResult per optimizer step.
 
     `rollout` is the whole rollout batch, identical on every rank. `timer` receives the
-    forward-only passes (old, statistics and reference log-probs) as "old_logp" and the
+    forward-only passes (old, statistics and reference log-probs; none where
+    `needs_policy_pass` is False and there is no reference model) as "old_logp" and the
     training passes and optimizer steps as "train".
     """
     timer = timer or PhaseTimer()
@@ -382,14 +392,21 @@ def train_step(
     ]
     plans = [micro_batches(m, actor.train, multiple=multiple) for m in mini_batches]
     score = partial(logprobs, temperature=actor.train.temperature, arch=actor.arch)
+    policy_pass = needs_policy_pass(actor.algo, len(mini_batches))
     # l_old of every mini-batch comes from the policy before this rollout's first update
-    with timer("old_logp"):
-        old = [score(actor.model, m, plan)[0] for m, plan in zip(mini_batches, plans, strict=True)]
+    # (None: the one mini-batch's training forward, which is that policy)
+    old = [None] * len(mini_batches)
+    if policy_pass:
+        with timer("old_logp"):
+            old = [score(actor.model, m, p)[0] for m, p in zip(mini_batches, plans, strict=True)]
     results = []
     for k, (local, plan) in enumerate(zip(mini_batches, plans, strict=True)):
         with timer("old_logp"):
-            # the statistics are those of the policy about to be updated
+            # the statistics are those of the policy about to be updated (None: computed
+            # after the training pass from its log-probs)
             policy_logp = old[k] if k == 0 else score(actor.model, local, plan)[0]
+            if actor.algo.stats_logp == "rollout":
+                policy_logp = _engine_logp(local)
             ref_logp = None
             if actor.ref_model is not None:
                 ref_logp = score(actor.ref_model, local, plan)[0]
@@ -398,33 +415,49 @@ def train_step(
     return results
 
 
-def _update(actor: Actor, local, plan, old_logp, policy_logp, ref_logp) -> StepResult:
-    last = parallel_state.is_pipeline_last_stage()
+def _engine_logp(local: TrainBatch) -> torch.Tensor:
+    if local.rollout_logp is None:
+        raise ValueError(
+            "algo.stats_logp=rollout needs the engine's sampling log-probs, and this batch has "
+            "none: use algo.stats_logp=trainer"
+        )
+    return local.rollout_logp
+
+
+def _prepare(actor: Actor, local: TrainBatch, plan, policy_logp, old_logp):
+    """`actor.loss.prepare` on this rank's shard `[b, s]` with the configured scope (its
+    reductions over the DP group); last stage only."""
     dev = device()
+    scope = make_scope(
+        actor.algo.cov_scope,
+        batch_size=local.rows,
+        group=parallel_state.get_data_parallel_group(),
+        prompt_index=local.prompt_index,
+        micro_batch_index=_micro_batch_index(plan, local.rows, dev),
+        # shards are consecutive blocks of the mini-batch, so this is the global row order
+        row_order=parallel_state.get_data_parallel_rank() * local.rows
+        + torch.arange(local.rows, device=dev),
+        device=dev,
+    )
+    generator = torch.Generator().manual_seed(actor.train.seed * 1_000_003 + actor.step)
+    return actor.loss.prepare(
+        policy_logp,
+        local.advantages,
+        local.loss_mask,
+        scope=scope,
+        cfg=actor.algo,
+        old_logp=old_logp,
+        generator=generator,
+    )
+
+
+def _update(actor: Actor, local, plan, old_logp, policy_logp, ref_logp) -> StepResult:
+    """One optimizer step on mini-batch `local`. `policy_logp` None: the loss reads no
+    token_stat, and its diagnostics come from the training pass's log-probs."""
+    last = parallel_state.is_pipeline_last_stage()
     token_stat, prepared_metrics = None, {}
-    if last:
-        scope = make_scope(
-            actor.algo.cov_scope,
-            batch_size=local.rows,
-            group=parallel_state.get_data_parallel_group(),
-            prompt_index=local.prompt_index,
-            micro_batch_index=_micro_batch_index(plan, local.rows, dev),
-            # shards are consecutive blocks of the mini-batch, so this is the global row order
-            row_order=parallel_state.get_data_parallel_rank() * local.rows
-            + torch.arange(local.rows, device=dev),
-            device=dev,
-        )
-        generator = torch.Generator().manual_seed(actor.train.seed * 1_000_003 + actor.step)
-        prepared = actor.loss.prepare(
-            policy_logp,
-            local.advantages,
-            local.loss_mask,
-            scope=scope,
-            cfg=actor.algo,
-            old_logp=old_logp,
-            generator=generator,
-        )
-        token_stat, prepared_metrics = prepared.token_stat, prepared.metrics
+    if last and policy_logp is not None:
+        token_stat, prepared_metrics = _prepare(actor, local, plan, policy_logp, old_logp)
     micro_inputs = [
         MicroInputs(*parts)
         for parts in zip(
@@ -441,6 +474,16 @@ def _update(actor: Actor, local, plan, old_logp, policy_logp, ref_logp) -> StepR
         _scale_router_losses(actor, local)
     clear_aux_losses_tracker()
     outputs = _forward_backward(actor, micro_inputs)
+    if last and policy_logp is None:
+        trained = _unpack([o["logp"] for o in outputs], plan, local)
+        after = _prepare(actor, local, plan, trained, old_logp)
+        if after.token_stat is not None:
+            raise TypeError(
+                f"policy loss {actor.loss.name!r} returned a token_stat from prepare() but "
+                "declares uses_token_stat = False, so the step ran without it: set "
+                "uses_token_stat = True on the class"
+            )
+        prepared_metrics = after.metrics
     padded = float(sum(m.padded_tokens for m in plan))
     totals, metrics, hists = _reduce_outputs(outputs, prepared_metrics, last, (padded, len(plan)))
     if actor.arch.is_moe:

@@ -1,9 +1,12 @@
 """The CW-GRPO train step gives the same numbers at every layout (gloo, 1-4 processes)."""
 
+import contextlib
+import dataclasses
 import json
 import re
 import warnings
 from functools import partial
+from unittest import mock
 
 import pytest
 import torch
@@ -19,9 +22,12 @@ LAYOUTS = {
 }
 
 
-def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind, mini_batches=1):
+def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind, mini_batches=1, forced=False):
+    """layout_check.run, counting the step's forward-only passes; `forced`: the step runs its
+    forward-only pass whatever the loss (as every step did before `needs_policy_pass`)."""
     from cwgrpo_megatron.checks import layout_check
     from cwgrpo_megatron.comm.scopes import LayoutDependentWarning
+    from cwgrpo_megatron.megatron import train_step
 
     batch_fn = None
     if batch_kind == "equal-rewards":
@@ -30,7 +36,21 @@ def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind, mini_batches
         batch_fn = _padding_rank_batch
     elif batch_kind == "nan-advantage":
         batch_fn = _nan_advantage_batch
-    with warnings.catch_warnings(record=True) as caught:
+    elif batch_kind == "engine-logp":
+        batch_fn = _engine_logp_batch
+    passes = []
+    real_forward_only = train_step.forward_only
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return real_forward_only(*args, **kwargs)
+
+    # the pool's workers outlive the task: the patches are undone on leaving
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(train_step, "forward_only", counted))
+        if forced:
+            patches.enter_context(mock.patch.object(train_step, "needs_policy_pass", _always))
+        caught = patches.enter_context(warnings.catch_warnings(record=True))
         warnings.simplefilter("always")
         result = layout_check.run(
             tp=tp,
@@ -45,7 +65,12 @@ def _run(rank, world, tp, pp, micro_batches, overrides, batch_kind, mini_batches
             mini_batches=mini_batches,
         )
     result["warned"] = any(issubclass(w.category, LayoutDependentWarning) for w in caught)
+    result["forward_passes"] = len(passes)
     return result
+
+
+def _always(cfg, mini_batches):
+    return True
 
 
 def _equal_rewards_batch(step, arch):
@@ -82,19 +107,30 @@ def _nan_advantage_batch(step, arch):
     return batch
 
 
+def _engine_logp_batch(step, arch):
+    """The synthetic batch with sampling log-probs of its own (an engine's stand-in: not the
+    trainer's, so statistics from them differ from the trainer's)."""
+    from cwgrpo_megatron.data.batching import synthetic_batch
+
+    batch = synthetic_batch(prompts=4, group_size=4, seq_len=16, vocab_size=1000, seed=step)
+    gen = torch.Generator().manual_seed(100 + step)
+    logp = -3 * torch.rand(batch.tokens.shape, generator=gen) * batch.loss_mask
+    return dataclasses.replace(batch, rollout_logp=logp)
+
+
 _RUNS: dict = {}
 
 
-def layout(name, overrides=(), batch_kind=None, mini_batches=1):
+def layout(name, overrides=(), batch_kind=None, mini_batches=1, forced=False):
     """The run's result; the same arguments run once per session (the runs are seeded and
     deterministic), so tests that share a reference do not pay for it twice."""
-    key = (name, tuple(overrides), batch_kind, mini_batches)
+    key = (name, tuple(overrides), batch_kind, mini_batches, forced)
     if key not in _RUNS:
         tp, pp, mb, world = LAYOUTS[name]
         if mini_batches > 1:
             mb = max(mb // mini_batches, 1)
         _RUNS[key] = run_distributed(
-            _run, world, tp, pp, mb, list(overrides), batch_kind, mini_batches
+            _run, world, tp, pp, mb, list(overrides), batch_kind, mini_batches, forced
         )[0]
     return _RUNS[key]
 
@@ -126,6 +162,59 @@ def test_layouts_agree_with_sgd(loss):
             for key in ("cw/sigma", "cw/top1pct_cov_share"):
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (name, key, a[key], b[key])
             assert 0.01 < b["cw/top1pct_cov_share"] < 1
+
+
+def test_grpo_with_one_mini_batch_runs_no_forward_only_pass_and_the_same_step():
+    """l_old from the training forward's own log-probs, and the diagnostics after it: no
+    forward-only pass, and the losses, gradient norms, parameters and every metric of the step
+    that runs the pass, at TP1, TP2 x DP2 and PP2 x DP2."""
+    grpo = ["algo.policy_loss=grpo"]  # the runs of test_layouts_agree_with_sgd
+    for name in ("tp1-pp1-dp1-mb4", "tp2-dp2-mb1", "pp2-dp2-mb2"):
+        got, today = layout(name, grpo), layout(name, grpo, forced=True)
+        assert got["forward_passes"] == 0 and today["forward_passes"] == 2, name  # 2 steps
+        assert_same(got, today, 1e-6, f"no pass {name}")
+        for a, b in zip(got["metrics"], today["metrics"], strict=True):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (name, key)
+    assert layout("tp1-pp1-dp1-mb4", ["algo.policy_loss=cw_grpo"])["forward_passes"] == 2
+
+
+def test_engine_statistics_run_no_forward_only_pass_at_every_layout():
+    """algo.stats_logp=rollout: cw_grpo's statistics from the batch's sampling log-probs, with
+    no forward-only pass; the same step at TP1, TP2 x DP2 and PP2 x DP2, and c, sigma and w~
+    those of the sampling log-probs (computed here in one process), not the trainer's."""
+    from cwgrpo_megatron.algo import get_policy_loss
+    from cwgrpo_megatron.algo.config import AlgoConfig
+    from cwgrpo_megatron.algo.metrics import finalize
+    from cwgrpo_megatron.comm import make_scope
+
+    cw = ["algo.policy_loss=cw_grpo"]
+    engine = [*cw, "algo.stats_logp=rollout"]
+    ref = layout("tp1-pp1-dp1-mb4", engine, batch_kind="engine-logp")
+    trainer = layout("tp1-pp1-dp1-mb4", cw, batch_kind="engine-logp")
+    assert ref["forward_passes"] == 0 and trainer["forward_passes"] == 2
+    for step, metrics in enumerate(ref["metrics"]):
+        batch = _engine_logp_batch(step, None)
+        expected = finalize(
+            get_policy_loss("cw_grpo")
+            .prepare(
+                batch.rollout_logp,
+                batch.advantages,
+                batch.loss_mask,
+                scope=make_scope("global", batch_size=16),
+                cfg=AlgoConfig(),
+            )
+            .metrics
+        )
+        for key in ("cw/sigma", "cw/cov_mean", "cw/w_max", "cw/frac_w_below_half"):
+            assert metrics[key] == pytest.approx(float(expected[key]), rel=1e-5), (step, key)
+            assert metrics[key] != pytest.approx(trainer["metrics"][step][key], rel=1e-3), key
+        assert metrics["rollout/gap_mean"] > 0.1  # the trainer's gap to the stand-in
+    for name in ("tp2-dp2-mb1", "pp2-dp2-mb2"):
+        got = layout(name, engine, batch_kind="engine-logp")
+        assert got["forward_passes"] == 0
+        assert_same(got, ref, 1e-5, f"engine statistics {name}")
 
 
 def test_layouts_agree_with_adam():

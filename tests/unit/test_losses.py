@@ -4,11 +4,18 @@ and kl_cov's top-k selection, clip fractions, and metrics that merge over micro-
 the whole batch's."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
-from cwgrpo_megatron.algo import PolicyBatch, build_policy_loss, get_policy_loss
+from cwgrpo_megatron.algo import (
+    PolicyBatch,
+    PolicyLoss,
+    build_policy_loss,
+    get_policy_loss,
+    needs_policy_pass,
+)
 from cwgrpo_megatron.algo.aggregation import get_loss_aggregation
 from cwgrpo_megatron.algo.covariance import centred_covariance
 from cwgrpo_megatron.algo.kl import get_kl_estimator
@@ -273,3 +280,70 @@ def test_clip_fractions_count_where_the_clip_cuts_the_gradient():
     # (rho high, A < 0: unclipped wins) or 4 (rho low, A > 0), nor the padded token 7
     assert float(final["actor/clip_frac_high"]) == pytest.approx(1 / 7)
     assert float(final["actor/clip_frac_low"]) == pytest.approx(2 / 7)
+
+
+@pytest.mark.parametrize(
+    ("loss", "stats_logp", "mini_batches", "expected"),
+    [
+        ("grpo", "trainer", 1, False),  # l_old and the diagnostics from the training pass
+        ("cw_grpo", "trainer", 1, True),  # w~ before the update
+        ("clip_cov", "trainer", 1, True),
+        ("kl_cov", "trainer", 1, True),
+        ("cw_grpo", "rollout", 1, False),  # w~ from the engine's log-probs
+        ("grpo", "trainer", 2, True),  # l_old of mini-batch 1
+    ],
+)
+def test_the_forward_only_pass_runs_only_where_the_step_reads_it(
+    loss, stats_logp, mini_batches, expected
+):
+    cfg = AlgoConfig(policy_loss=loss, stats_logp=stats_logp)
+    assert needs_policy_pass(cfg, mini_batches) is expected
+
+
+def test_a_loss_with_its_own_prepare_is_taken_to_read_token_stat():
+    class OwnStatistics(PolicyLoss):
+        def prepare(self, *args, **kwargs):
+            return super().prepare(*args, **kwargs)
+
+    class DiagnosticsOnly(PolicyLoss):
+        uses_token_stat = False
+
+        def prepare(self, *args, **kwargs):
+            return super().prepare(*args, **kwargs)
+
+    class SurrogateOnly(PolicyLoss):
+        def token_loss(self, batch, cfg):
+            return super().token_loss(batch, cfg)
+
+    assert OwnStatistics.uses_token_stat and not DiagnosticsOnly.uses_token_stat
+    assert not SurrogateOnly.uses_token_stat and not PolicyLoss.uses_token_stat
+    assert {name: POLICY_LOSSES.get(name).uses_token_stat for name in POLICY_LOSSES.names()} == {
+        "grpo": False,
+        "cw_grpo": True,
+        "clip_cov": True,
+        "kl_cov": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        pytest.param(
+            ["rollout.placement=separate", "rollout.async_steps=1"],
+            "rollout.async_steps=1: the engine sampled with the policy one step behind",
+            id="async",
+        ),
+        pytest.param(["rollout.top_p=0.9"], "truncated distribution", id="top-p"),
+        pytest.param(["rollout.top_k=20"], "truncated distribution", id="top-k"),
+        pytest.param(
+            ["train.ppo_mini_batches=2"], "train.ppo_mini_batches=2: mini-batch k > 0", id="mini"
+        ),
+        pytest.param(["algo.stats_logp=engine"], "choose one of: trainer, rollout", id="name"),
+    ],
+)
+def test_engine_statistics_are_refused_where_they_are_not_the_updated_policy(overrides, message):
+    from cwgrpo_megatron.config import load_config
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(overrides=["algo.stats_logp=rollout", *overrides])
+    load_config(overrides=[o for o in overrides if "stats_logp" not in o])  # fine with trainer

@@ -1,6 +1,7 @@
 """The memory planner: model recipes, parameter counts, CLI errors, the layout search, the
 phases of a step on an engine's GPU, and the recipes' header verdicts."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from cwgrpo_megatron.analysis import planner
+from cwgrpo_megatron.config import load_config
 from cwgrpo_megatron.convert.arch import RECIPES, ModelArch, recipe_names
 from tools import plan_memory
 
@@ -133,6 +135,25 @@ def _plan(capsys, *overrides) -> dict:
     code, out, _ = _cli(capsys, "--config", "configs/qwen2p5_math_7b.yaml", "--json", *overrides)
     assert code in (0, 1)
     return json.loads(out)
+
+
+def test_the_old_logp_phase_is_there_only_where_the_step_runs_a_forward_only_pass(capsys):
+    no_ref = "algo.kl_beta=0"
+    cw, grpo = _plan(capsys, no_ref), _plan(capsys, no_ref, "algo.policy_loss=grpo")
+    engine = _plan(capsys, no_ref, "algo.stats_logp=rollout")
+    assert list(cw["phases"]) == ["rollout", "old_logp", "train", "wake"]
+    assert list(grpo["phases"]) == list(engine["phases"]) == ["rollout", "train", "wake"]
+    assert grpo["phases"]["train"] == cw["phases"]["train"]
+    # the reference model's pass stays (the recipe's kl_beta = 0.04)
+    assert "old_logp" in _plan(capsys, "algo.policy_loss=grpo")["phases"]
+    # and the step's compute loses one forward pass of five (3 + old + reference)
+    cfg = load_config("configs/qwen2p5_math_7b.yaml", overrides=["algo.policy_loss=grpo"])
+    setting = planner.Setting.from_config(cfg)
+    arch, cluster = ModelArch.recipe(cfg.model.arch), planner.Cluster(nodes=1, gpus_per_node=8)
+    without = planner.step_seconds(arch, planner.plan(arch, setting, cluster))
+    forced = dataclasses.replace(setting, policy_pass=True)
+    with_pass = planner.step_seconds(arch, planner.plan(arch, forced, cluster))
+    assert not setting.policy_pass and 0.75 < without / with_pass < 0.85
 
 
 def test_the_sleep_level_decides_what_the_engine_holds_in_each_phase(capsys):
