@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: test check demo compare compare-dynamic lint format bench clean
+.PHONY: test check demo compare compare-dynamic compare-stats lint format bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -106,6 +106,22 @@ compare: $(STAMP)
 compare-dynamic:
 	$(MAKE) compare COMPARE_RUNS=runs/compare_dynamic COMPARE_NAME=compare_dynamic \
 		COMPARE_ARGS=train.dynamic_sampling=true
+
+# compare-stats: cw_grpo with its statistics from the trainer (algo.stats_logp=trainer) and from
+# the engine's log-probs (rollout), 3 seeds each (about 50 minutes), into runs/compare_stats and
+# docs/results/compare_stats.{md,png}: the runs, and each statistic's gap between the two
+# settings at the same seed against the spread over seeds.
+compare-stats: $(STAMP)
+	$(PY) tools/import_gguf.py --out $(SMOLLM2)
+	set -e; for seed in $(COMPARE_SEEDS); do for stats in trainer rollout; do \
+		rm -rf runs/compare_stats/$${stats}_seed$$seed; \
+		$(PY) -m cwgrpo_megatron.train --config configs/compare_cpu.yaml model.path=$(SMOLLM2) \
+			algo.stats_logp=$$stats train.seed=$$seed data.seed=$$seed \
+			run.out_dir=runs/compare_stats/$${stats}_seed$$seed; \
+	done; done
+	$(PY) tools/compare_runs.py runs/compare_stats/*_seed* --out docs/results --name compare_stats \
+		--label trainer='*/trainer_seed*' --label rollout='*/rollout_seed*' \
+		--pair trainer,rollout
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

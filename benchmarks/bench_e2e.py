@@ -7,8 +7,12 @@ Each side runs in its own subprocess of this script (neither can disturb the oth
 state), takes `--warmup` untimed steps, then `--steps` timed ones; the table gives the mean
 seconds of each phase and the ratio of steps per second.
 
-    ours  python -m cwgrpo_megatron.train's loop (`build_trainer`, `train_one_step`): cw_grpo,
-          vLLM in-process, Megatron-Core with gloo; phases from its timing_s/* metrics
+    ours  python -m cwgrpo_megatron.train's loop (`build_trainer`, `train_one_step`), vLLM
+          in-process, Megatron-Core with gloo, in three arms (ARMS): cw_grpo with the
+          statistics from the trainer (a forward-only pass before the training pass), cw_grpo
+          with algo.stats_logp=rollout (the engine's log-probs: no pass) and grpo (no pass);
+          phases from its timing_s/* metrics (old_logp: the forward-only passes, here the
+          reference model's and, in the first arm, the policy's)
     TRL   GRPOTrainer with its default generation (transformers `generate`; its vLLM modes
           are not run here); phases from timers around `_generate_single_turn`
           (rollout), `_calculate_rewards` (reward), the rest of `_generate_and_score_completions`
@@ -18,9 +22,10 @@ seconds of each phase and the ratio of steps per second.
 Completions have no end token (`end_tokens=0`), so every completion of both sides is exactly
 `--tokens` long and the two do the same work whatever they sample.
 
-Target (issue "end-to-end CW-GRPO trainer"): ours >= 1.5x TRL's steps/s at ~100M.
+Targets (issue "one forward pass fewer"): ours >= 1.5x TRL's steps/s at ~100M for cw_grpo with
+algo.stats_logp=rollout and for grpo; the first arm's ratio is printed beside them.
 
-Usage: python benchmarks/bench_e2e.py [--quick] [--steps N] [--warmup N]
+Usage: python benchmarks/bench_e2e.py [--quick] [--steps N] [--warmup N] [--arms A,B]
 """
 
 from __future__ import annotations
@@ -41,7 +46,13 @@ from bench_rollout import MODELS as ROLLOUT_MODELS  # noqa: E402  (this folder i
 
 MODELS = {"tiny": ROLLOUT_MODELS["tiny (3M)"], "~100M": ROLLOUT_MODELS["~100M"]}
 PHASES = ("rollout", "reward", "old_logp", "train", "sync", "step")
-TARGET = 1.5
+ARMS = {
+    "cw_grpo": ["algo.policy_loss=cw_grpo"],
+    "cw_grpo+rollout": ["algo.policy_loss=cw_grpo", "algo.stats_logp=rollout"],
+    "grpo": ["algo.policy_loss=grpo"],
+}
+"""Our settings, each run against the same TRL run."""
+TARGETS = {"cw_grpo+rollout": 1.5, "grpo": 1.5}
 
 
 def write_prompts(path: Path, count: int) -> Path:
@@ -55,7 +66,8 @@ def write_prompts(path: Path, count: int) -> Path:
 
 
 def ours(args, hf_dir: Path, data: Path, out: Path) -> dict:
-    """Per-step phase seconds of our trainer (one process, vLLM in-process)."""
+    """Per-step phase seconds of our trainer in arm `args.arm` (one process, vLLM
+    in-process)."""
     from cwgrpo_megatron.build import build_trainer
     from cwgrpo_megatron.config import load_config
     from cwgrpo_megatron.megatron.launch import init_distributed, shutdown
@@ -65,7 +77,7 @@ def ours(args, hf_dir: Path, data: Path, out: Path) -> dict:
         "model.chat_template=plain",
         f"data.train_files=[{data}]",
         f"data.max_prompt_tokens={args.prompt_tokens}",
-        "algo.policy_loss=cw_grpo",
+        *ARMS[args.arm],
         f"algo.kl_beta={args.kl_beta}",
         "train.total_steps=1000",  # never reached: no final checkpoint inside the timed steps
         f"train.prompts_per_step={args.prompts}",
@@ -204,13 +216,14 @@ def trl(args, hf_dir: Path, data: Path, out: Path) -> dict:
     return {p: statistics.mean(s[p] for s in timed_steps) for p in PHASES}
 
 
-def run_side(side: str, args, model: str, folder: Path) -> dict:
-    """One side in a fresh subprocess of this script; its phase means."""
+def run_side(side: str, args, model: str, folder: Path, arm: str | None = None) -> dict:
+    """One side (ours in `arm`) in a fresh subprocess of this script; its phase means."""
     cmd = [
         sys.executable,
         __file__,
         "--side",
         side,
+        *(["--arm", arm] if arm else []),
         "--model",
         model,
         "--folder",
@@ -221,7 +234,7 @@ def run_side(side: str, args, model: str, folder: Path) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(
-            f"{side} on {model} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+            f"{side} {arm or ''} on {model} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
         )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -240,7 +253,11 @@ def parse(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length limit")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--kl-beta", type=float, default=0.04)
+    p.add_argument(
+        "--arms", default=",".join(ARMS), help=f"our arms, comma-separated (of {', '.join(ARMS)})"
+    )
     p.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -256,6 +273,11 @@ def main(argv=None) -> int:
         return 0
     from cwgrpo_megatron.checks.tiny import save_tiny_qwen2
 
+    arms = args.arms.split(",")
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        print(f"error: unknown arms {unknown}; choose from {', '.join(ARMS)}", file=sys.stderr)
+        return 2
     if args.quick:
         args.steps = 1
     models = ["tiny"] if args.quick else list(MODELS)
@@ -264,26 +286,34 @@ def main(argv=None) -> int:
         f"{args.kl_beta}, {args.warmup} warm-up + {args.steps} timed steps per side; "
         "seconds per step (mean)"
     )
-    header = f"{'model':<7} {'side':<5} " + " ".join(f"{p:>9}" for p in PHASES)
-    print(header)
-    verdicts = []
+    width = max(len(a) for a in arms) + 5
+    print(f"{'model':<7} {'side':<{width}} " + " ".join(f"{p:>9}" for p in PHASES))
+    speedups = {}
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         for name in models:
             folder = Path(tmp) / name.strip("~")
             save_tiny_qwen2(folder / "hf", **MODELS[name])
             write_prompts(folder / "prompts.jsonl", 64)
-            results = {side: run_side(side, args, name, folder) for side in ("ours", "trl")}
+            results = {f"ours {a}": run_side("ours", args, name, folder, a) for a in arms}
+            results["trl"] = run_side("trl", args, name, folder)
             for side, phases in results.items():
-                print(f"{name:<7} {side:<5} " + " ".join(f"{phases[p]:>9.3f}" for p in PHASES))
-            speedup = results["trl"]["step"] / results["ours"]["step"]
-            verdicts.append((name, speedup))
-            print(f"{name:<7} ours / TRL steps per second: {speedup:.2f}x")
-    for name, speedup in verdicts:
-        if name == "~100M":
-            met = "met" if speedup >= TARGET else "MISSED"
-            print(f"target ours >= {TARGET}x TRL at ~100M: {met} ({speedup:.2f}x)")
-    if args.quick:
-        print(f"target ours >= {TARGET}x TRL at ~100M: not measured (--quick runs the tiny model)")
+                row = " ".join(f"{phases[p]:>9.3f}" for p in PHASES)
+                print(f"{name:<7} {side:<{width}} {row}")
+            for arm in arms:
+                speedups[name, arm] = results["trl"]["step"] / results[f"ours {arm}"]["step"]
+                print(f"{name:<7} ours {arm} / TRL steps per second: {speedups[name, arm]:.2f}x")
+    for arm in arms:
+        target = TARGETS.get(arm)
+        if target is None:
+            continue
+        if ("~100M", arm) in speedups:
+            got = speedups["~100M", arm]
+            met = "met" if got >= target else "MISSED"
+            print(f"target ours {arm} >= {target}x TRL at ~100M: {met} ({got:.2f}x)")
+        else:
+            print(f"target ours {arm} >= {target}x TRL at ~100M: not measured (--quick)")
+    if not any(arm in TARGETS for arm in arms):
+        print(f"targets ({', '.join(TARGETS)}): not measured (no arm with a target chosen)")
     return 0
 
 

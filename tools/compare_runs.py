@@ -6,7 +6,12 @@ reward). See cwgrpo_megatron/analysis/run_compare.py for every statistic's defin
     python tools/compare_runs.py runs/a runs/b --label A='runs/a*' --label B='runs/b*' --out cmp
     python tools/compare_runs.py runs/compare_dynamic/* --out docs/results --name compare_dynamic
 
+    python tools/compare_runs.py runs/compare_stats/* --out docs/results --name compare_stats \
+        --label trainer='*/trainer_*' --label rollout='*/rollout_*' --pair trainer,rollout
+
 Runs are grouped by their algo.policy_loss unless a --label NAME=GLOB rule matches the folder.
+--pair A,B adds, for two groups run at the same seeds, each statistic's gap between them at
+the same seed and step against its spread over seeds (the table, and NAME_pairs.png).
 """
 
 from __future__ import annotations
@@ -28,25 +33,40 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--label", action="append", default=[], metavar="NAME=GLOB", help="group rule (repeatable)"
     )
+    parser.add_argument("--pair", metavar="A,B", help="two groups run at the same seeds")
     parser.add_argument("--quiet", action="store_true", help="print only where the files went")
     args = parser.parse_args(argv)
-    from cwgrpo_megatron.analysis.run_compare import label_runs, markdown, plot
+    from cwgrpo_megatron.analysis.run_compare import (
+        label_runs,
+        markdown,
+        paired_table,
+        plot,
+        plot_pairs,
+    )
     from cwgrpo_megatron.common.files import write_atomic
 
     try:
         runs = label_runs(args.runs, args.label)
+        table = markdown(runs)
+        if args.pair:
+            a, sep, b = args.pair.partition(",")
+            if not sep or not a or not b:
+                raise ValueError(f"--pair {args.pair!r}: write A,B, two group labels")
+            table += "\n" + paired_table(runs, a, b)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(runs)
     figure, text = out / f"{args.name}.png", out / f"{args.name}.md"
     write_atomic(text, table)
     plot(runs, figure)
+    written = [figure]
+    if args.pair:
+        written.append(plot_pairs(runs, a, b, out / f"{args.name}_pairs.png"))
     if not args.quiet:
         print(table)
-    print(f"wrote {figure} and {text}")
+    print(f"wrote {', '.join(map(str, written))} and {text}")
     return 0
 
 

@@ -22,6 +22,14 @@ runs (sample std, ddof = 1; 0 for a single run). Per run:
 
 The last one separates "a narrower entropy band" from "learning more slowly": two algorithms
 compared at the same reward, not at the same step.
+
+Paired groups (`paired_table`, `plot_pairs`): two settings run at the same seeds (matched by
+train.seed in each run's config.yaml), for each metric of PAIRED:
+
+    paired gap      mean over seeds and steps of |a_t - b_t| at the same seed and step
+    seed spread     mean over steps of the std over seeds (ddof = 1) within a group, of a and
+                    of b
+    gap / spread    below 1: the two settings differ by less than one seed from another
 """
 
 from __future__ import annotations
@@ -58,6 +66,17 @@ PANELS = (
 )
 """The figure's panels; one whose metrics no run has (rounds without dynamic sampling) is left
 out."""
+PAIRED = (
+    "cw/sigma",
+    "cw/cov_mean",
+    "cw/top1pct_cov_share",
+    "cw/w_min",
+    "cw/frac_w_below_half",
+    "actor/entropy",
+    "reward/mean",
+    "eval/heldout/avg@*",
+)
+"""The metrics `paired_table` and `plot_pairs` compare."""
 
 
 @dataclass
@@ -130,6 +149,80 @@ def label_runs(paths: Sequence[str | Path], labels: Sequence[str] = ()) -> list[
         label = next((n for n, g in rules if fnmatch.fnmatch(str(path), g)), None)
         runs.append(read_run(path, label))
     return runs
+
+
+def _seed(run: Run) -> int | None:
+    config = run.path / "config.yaml"
+    if not config.is_file():
+        return None
+    data = yaml.safe_load(config.read_text()) or {}
+    return (data.get("train") or {}).get("seed")
+
+
+def pairs_of(runs: Sequence[Run], a: str, b: str) -> list[tuple[Run, Run]]:
+    """(run of a, run of b) at each seed both groups ran; ValueError when a group is missing,
+    or a seed is not known or twice in a group."""
+    groups = groups_of(runs)
+    by_seed = {}
+    for label in (a, b):
+        if label not in groups:
+            raise ValueError(f"--pair {a},{b}: no runs labelled {label!r} (have {sorted(groups)})")
+        seeds = {}
+        for run in groups[label]:
+            seed = _seed(run)
+            if seed is None or seed in seeds:
+                raise ValueError(
+                    f"{run.path}: its train.seed is {'unknown' if seed is None else 'repeated'} "
+                    f"in group {label!r}; pairs need one run per seed and setting"
+                )
+            seeds[seed] = run
+        by_seed[label] = seeds
+    common = sorted(set(by_seed[a]) & set(by_seed[b]))
+    if not common:
+        raise ValueError(f"--pair {a},{b}: the two groups share no seed")
+    return [(by_seed[a][s], by_seed[b][s]) for s in common]
+
+
+def paired_gaps(pairs, key: str) -> dict[int, tuple[float, float, float]]:
+    """step -> (mean |a - b| over the pairs, std over seeds of a, of b), at the steps every run
+    of the pairs logged `key`."""
+    series = [(dict(zip(*x.series(key), strict=True)), dict(zip(*y.series(key), strict=True)))
+              for x, y in pairs]  # fmt: skip
+    steps = set.intersection(*(set(x) & set(y) for x, y in series)) if series else set()
+    out = {}
+    for t in sorted(steps):
+        a, b = [x[t] for x, _ in series], [y[t] for _, y in series]
+        spread_a = statistics.stdev(a) if len(a) > 1 else 0.0
+        spread_b = statistics.stdev(b) if len(b) > 1 else 0.0
+        out[t] = (statistics.fmean(abs(u - v) for u, v in zip(a, b, strict=True)), spread_a,
+                  spread_b)  # fmt: skip
+    return out
+
+
+def paired_table(runs: Sequence[Run], a: str, b: str) -> str:
+    """Markdown: per PAIRED metric, the paired gap against the seed spread (module doc)."""
+    pairs = pairs_of(runs, a, b)
+    lines = [
+        f"### {a} against {b}: the same seeds ({', '.join(str(_seed(x)) for x, _ in pairs)})",
+        "",
+        f"| metric | steps | paired gap, {a} to {b} | seed spread {a} | seed spread {b} "
+        "| gap / spread |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in PAIRED:
+        gaps = paired_gaps(pairs, key)
+        if not gaps:
+            continue
+        gap = statistics.fmean(g for g, _, _ in gaps.values())
+        spread_a = statistics.fmean(x for _, x, _ in gaps.values())
+        spread_b = statistics.fmean(y for _, _, y in gaps.values())
+        spread = (spread_a + spread_b) / 2
+        ratio = f"{gap / spread:.2f}" if spread > 0 else "-"
+        lines.append(
+            f"| {key} | {len(gaps)} | {gap:.4g} | {spread_a:.4g} | {spread_b:.4g} | {ratio} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
 
 
 def groups_of(runs: Sequence[Run]) -> dict[str, list[Run]]:
@@ -263,5 +356,37 @@ def plot(runs: Sequence[Run], out: Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle("mean over seeds, band: min-max")
+    fig.tight_layout()
+    return save_figure(fig, out)
+
+
+def plot_pairs(runs: Sequence[Run], a: str, b: str, out: Path) -> Path:
+    """Per PAIRED metric, by step: the paired gap |a - b| and the seed spread of each group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = pairs_of(runs, a, b)
+    keys = [k for k in PAIRED if paired_gaps(pairs, k)]
+    columns = -(-len(keys) // 2)
+    fig, axes = plt.subplots(2, columns, figsize=(4.75 * columns, 8), squeeze=False)
+    for ax in axes.flat[len(keys) :]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        gaps = paired_gaps(pairs, key)
+        steps = list(gaps)
+        marker = "o" if len(steps) < 4 else None
+        ax.plot(steps, [g for g, _, _ in gaps.values()], "-", marker=marker,
+                label=f"|{a} - {b}|, same seed")  # fmt: skip
+        ax.plot(steps, [x for _, x, _ in gaps.values()], "--", marker=marker,
+                label=f"std over seeds, {a}")  # fmt: skip
+        ax.plot(steps, [y for _, _, y in gaps.values()], ":", marker=marker,
+                label=f"std over seeds, {b}")  # fmt: skip
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{a} vs {b}: the gap at the same seed against the spread over seeds")
     fig.tight_layout()
     return save_figure(fig, out)

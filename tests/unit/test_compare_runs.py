@@ -1,18 +1,29 @@
 """tools/compare_runs.py on hand-made runs with known values: exact statistics, the figure."""
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
-from cwgrpo_megatron.analysis.run_compare import label_runs, markdown, read_run, run_stats
+from cwgrpo_megatron.analysis.run_compare import (
+    label_runs,
+    markdown,
+    paired_gaps,
+    paired_table,
+    pairs_of,
+    plot_pairs,
+    read_run,
+    run_stats,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_run(root: Path, loss: str, rewards, entropies, heldout=(0.25, 0.75)) -> Path:
+def write_run(root: Path, loss: str, rewards, entropies, heldout=(0.25, 0.75), seed=None) -> Path:
     root.mkdir(parents=True)
-    (root / "config.yaml").write_text(f"algo:\n  policy_loss: {loss}\n")
+    train = "" if seed is None else f"train:\n  seed: {seed}\n"
+    (root / "config.yaml").write_text(f"algo:\n  policy_loss: {loss}\n{train}")
     lines = [{"step": 0, "eval/heldout/avg@1": heldout[0], "timing_s/eval": 4.5}]
     for step, (r, e) in enumerate(zip(rewards, entropies, strict=True), start=1):
         lines.append(
@@ -70,3 +81,38 @@ def test_groups_give_mean_and_std_over_seeds(tmp_path):
     assert {r.label for r in relabelled} == {"mine", "theirs"}
     with pytest.raises(ValueError, match="NAME=GLOB"):
         label_runs([tmp_path / "cw_s0"], ["nonsense"])
+
+
+def test_paired_settings_give_the_gap_at_each_seed_against_the_seed_spread(tmp_path):
+    root = tmp_path / "runs"
+    # a: entropies E + seed; b: the same + 0.1 at seed 0 and + 0.3 at seed 1
+    for seed, shift in ((0, 0.1), (1, 0.3)):
+        shifted = [e + seed for e in ENTROPY]
+        write_run(root / f"a_seed{seed}", "cw_grpo", REWARDS, shifted, seed=seed)
+        b_entropy = [e + shift for e in shifted]
+        write_run(root / f"b_seed{seed}", "cw_grpo", REWARDS, b_entropy, seed=seed)
+    runs = label_runs(sorted(root.iterdir()), ["a=*/a_*", "b=*/b_*"])
+    pairs = pairs_of(runs, "a", "b")
+    assert [(x.path.name, y.path.name) for x, y in pairs] == [
+        ("a_seed0", "b_seed0"),
+        ("a_seed1", "b_seed1"),
+    ]
+    gaps = paired_gaps(pairs, "actor/entropy")
+    assert list(gaps) == list(range(1, 9))
+    spread_a = statistics.stdev([0.0, 1.0])  # the seeds differ by 1 at every step
+    spread_b = statistics.stdev([0.1, 1.3])
+    for gap, a, b in gaps.values():
+        assert gap == pytest.approx(0.2) and a == pytest.approx(spread_a)
+        assert b == pytest.approx(spread_b)
+    table = paired_table(runs, "a", "b")
+    ratio = 0.2 / ((spread_a + spread_b) / 2)
+    assert f"| actor/entropy | 8 | 0.2 | {spread_a:.4g} | {spread_b:.4g} | {ratio:.2f} |" in table
+    assert "| reward/mean | 8 | 0 | 0 | 0 | - |" in table  # the same rewards: no spread
+    png = plot_pairs(runs, "a", "b", tmp_path / "pairs.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no runs labelled 'c'"):
+        pairs_of(runs, "a", "c")
+    write_run(root / "a_again", "cw_grpo", REWARDS, ENTROPY, seed=0)
+    again = label_runs(sorted(root.iterdir()), ["a=*/a_*", "b=*/b_*"])
+    with pytest.raises(ValueError, match="its train.seed is repeated in group 'a'"):
+        pairs_of(again, "a", "b")
