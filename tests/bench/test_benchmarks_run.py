@@ -17,11 +17,13 @@ SMOKE = {
     "bench_reward.py": ["--pairs", "40", "--warm", "4"],
     "bench_rollout.py": ["--quick", "--repeats", "1"],
     "bench_weight_sync.py": ["--quick", "--repeats", "1"],
-    "bench_e2e.py": ["--quick", "--prompts", "2", "--group", "2", "--tokens", "8"],
+    "bench_e2e.py": ["--quick", "--prompts", "2", "--group", "2", "--tokens", "8", "--arms",
+                    "cw_grpo+rollout"],
     "bench_vllm_compile.py": ["--quick"],
     "bench_microbatch.py": ["--quick"],
     "bench_rollout_scale.py": ["--quick"],
     "bench_async.py": ["--quick"],
+    "bench_stats_noise.py": ["--quick"],
 }
 
 

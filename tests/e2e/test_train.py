@@ -381,10 +381,11 @@ def test_qwen3_moe_at_tp2_ep2_trains_under_torchrun_and_resumes_exactly_after_si
     tiny_moe, tmp_path
 ):
     """The whole loop on 4 ranks with the experts split over 2 of them beside TP2 (TP2 x DP2 x
-    EP2, sequence parallel): vLLM rollouts from the synced experts, checkpoints, the HF
-    export; killed in step 2's update and resumed by the launcher, it writes the uninterrupted
-    run's metrics value for value."""
-    ep2 = ("parallel.tp=2", "parallel.ep=2", "run.verify_sync=1")
+    EP2, sequence parallel): vLLM rollouts from the synced experts, CW-GRPO's statistics from
+    their sampling log-probs (algo.stats_logp=rollout: no forward-only pass), checkpoints, the
+    HF export; killed in step 2's update and resumed by the launcher, it writes the
+    uninterrupted run's metrics value for value."""
+    ep2 = ("parallel.tp=2", "parallel.ep=2", "run.verify_sync=1", "algo.stats_logp=rollout")
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     env = {"NNODES": "1", "GPUS_PER_NODE": "4"}
     code, log = launch(
