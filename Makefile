@@ -108,7 +108,7 @@ compare-dynamic:
 		COMPARE_ARGS=train.dynamic_sampling=true
 
 # compare-stats: cw_grpo with its statistics from the trainer (algo.stats_logp=trainer) and from
-# the engine's log-probs (rollout), 3 seeds each (about 50 minutes), into runs/compare_stats and
+# the engine's log-probs (rollout), 3 seeds each (about 35 minutes), into runs/compare_stats and
 # docs/results/compare_stats.{md,png}: the runs, and each statistic's gap between the two
 # settings at the same seed against the spread over seeds.
 compare-stats: $(STAMP)
