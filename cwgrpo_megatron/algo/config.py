@@ -44,7 +44,7 @@ class AlgoConfig:
     trainer: a forward-only pass before the update when the loss reads them) or rollout (the
     engine's sampling log-probs of the same policy, so no pass; refused with
     rollout.async_steps=1, top_p < 1, top_k > 0 or train.ppo_mini_batches > 1, where they are
-    not that policy's: docs/design.md, section 2)."""
+    not that policy's: docs/design.md, "Which log-probs")."""
     clip_eps_low: float = 0.2
     """PPO ratio clip below: rho >= 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
