@@ -127,12 +127,17 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
     return Run(path=root, label=label, lines=lines)
 
 
-def _policy_loss(root: Path) -> str | None:
+def _setting(root: Path, section: str, key: str):
+    """`section.key` of the run's config.yaml, or None."""
     config = root / "config.yaml"
     if not config.is_file():
         return None
     data = yaml.safe_load(config.read_text()) or {}
-    return (data.get("algo") or {}).get("policy_loss")
+    return (data.get(section) or {}).get(key)
+
+
+def _policy_loss(root: Path) -> str | None:
+    return _setting(root, "algo", "policy_loss")
 
 
 def label_runs(paths: Sequence[str | Path], labels: Sequence[str] = ()) -> list[Run]:
@@ -152,11 +157,7 @@ def label_runs(paths: Sequence[str | Path], labels: Sequence[str] = ()) -> list[
 
 
 def _seed(run: Run) -> int | None:
-    config = run.path / "config.yaml"
-    if not config.is_file():
-        return None
-    data = yaml.safe_load(config.read_text()) or {}
-    return (data.get("train") or {}).get("seed")
+    return _setting(run.path, "train", "seed")
 
 
 def pairs_of(runs: Sequence[Run], a: str, b: str) -> list[tuple[Run, Run]]:
