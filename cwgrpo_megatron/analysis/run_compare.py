@@ -369,13 +369,14 @@ def plot_pairs(runs: Sequence[Run], a: str, b: str, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     pairs = pairs_of(runs, a, b)
-    keys = [k for k in PAIRED if paired_gaps(pairs, k)]
+    by_key = {key: paired_gaps(pairs, key) for key in PAIRED}
+    keys = [key for key in PAIRED if by_key[key]]
     columns = -(-len(keys) // 2)
     fig, axes = plt.subplots(2, columns, figsize=(4.75 * columns, 8), squeeze=False)
     for ax in axes.flat[len(keys) :]:
         ax.set_visible(False)
     for ax, key in zip(axes.flat, keys, strict=False):
-        gaps = paired_gaps(pairs, key)
+        gaps = by_key[key]
         steps = list(gaps)
         marker = "o" if len(steps) < 4 else None
         ax.plot(steps, [g for g, _, _ in gaps.values()], "-", marker=marker,

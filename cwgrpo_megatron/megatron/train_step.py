@@ -404,9 +404,10 @@ def train_step(
         with timer("old_logp"):
             # the statistics are those of the policy about to be updated (None: computed
             # after the training pass from its log-probs)
-            policy_logp = old[k] if k == 0 else score(actor.model, local, plan)[0]
             if actor.algo.stats_logp == "rollout":
                 policy_logp = _engine_logp(local)
+            else:
+                policy_logp = old[k] if k == 0 else score(actor.model, local, plan)[0]
             ref_logp = None
             if actor.ref_model is not None:
                 ref_logp = score(actor.ref_model, local, plan)[0]
