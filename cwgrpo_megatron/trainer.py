@@ -42,6 +42,7 @@ from cwgrpo_megatron.common.timing import PhaseTimer
 from cwgrpo_megatron.config import Config
 from cwgrpo_megatron.data.batching import TrainBatch, batch_from_rollouts
 from cwgrpo_megatron.data.prompts import PromptSampler
+from cwgrpo_megatron.eval.metrics import summary_keys
 from cwgrpo_megatron.eval.runner import write_json
 from cwgrpo_megatron.megatron import train_checkpoint
 from cwgrpo_megatron.megatron.conversion import export_hf
@@ -204,7 +205,7 @@ class Trainer:
             if result is not None:
                 write_json(result, self.run.eval(step))
                 for bench, summary in result["summary"].items():
-                    for key in (f"avg@{e.n}", f"pass@{e.n}"):
+                    for key in summary_keys(e.n):
                         metrics[f"eval/{bench}/{key}"] = summary[key]
         return metrics
 

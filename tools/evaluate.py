@@ -1,4 +1,5 @@
-"""Evaluate a model on math benchmarks (avg@n, pass@n) through the rollout engine.
+"""Evaluate a model on math benchmarks (avg@n, pass@k, distinct answers) through the rollout
+engine.
 
     python tools/evaluate.py --model-dir HF_OR_MEGATRON_DIR --benchmarks aime24,math500,amc23 \\
         --n 4 --temperature 0.6 --top-p 0.95 --out results.json
@@ -9,9 +10,9 @@ A Megatron checkpoint (a folder with cwgrpo_checkpoint.json) is first converted 
 temporary folder. When the model is a run's (its folder, hf/ export or checkpoints/step_N), the
 engine's settings, lengths and prompt format default to that run's config.yaml; a flag given
 wins. Lengths that do not fit the model's positions are refused before the engine starts
-(`eval.standalone`). Prints a table of avg@n and pass@n per benchmark and their average, and
-writes JSON (atomically) with the summary, the settings used and every completion with its
-score.
+(`eval.standalone`). Prints a table of avg@n, pass@k (k = 2, 4, 8, 16 below n, and n) and distinct
+final answers per benchmark and their average, and writes JSON (atomically) with the summary,
+the settings used and every completion with its score and final answer.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from cwgrpo_megatron.algo.kl import kl_term
 from cwgrpo_megatron.algo.metrics import (
     Metrics,
     covariance_metrics,
+    effective_covariance_metrics,
     mean_metric,
     weight_metrics,
 )
@@ -287,9 +288,12 @@ class CovarianceWeightedLoss(PolicyLoss):
     def prepare(self, policy_logp, advantages, mask, *, scope, cfg, old_logp=None, generator=None):
         stats = centred_covariance(policy_logp, advantages, mask, scope)
         weights = kernel_weights(stats, mask, scope)
-        return Prepared(
-            weights, {**covariance_metrics(stats, mask), **weight_metrics(weights, mask)}
-        )
+        metrics = {
+            **covariance_metrics(stats, mask),
+            **weight_metrics(weights, mask),
+            **effective_covariance_metrics(weights, stats.cov, mask),
+        }
+        return Prepared(weights, metrics)
 
     def token_loss(self, batch, cfg):
         weights = _require_stat(batch, self.name).detach()

@@ -25,6 +25,8 @@ from cwgrpo_megatron.algo.covariance import CovarianceStats
 Metrics = dict[str, "Metric"]
 # finalized, but only to derive others (cw/sigma, cw/ess, the histogram's sum of squares)
 PARTS = frozenset({"cw/cov_sq_mean", "cw/w_sq_mean"})
+# the top-1% shares `finalize` derives, and the prefix of the histogram each comes from
+TOP_SHARES = {"cw/top1pct_cov_share": "cw/", "cw/eff_top1pct_cov_share": "cw/eff_"}
 
 
 class Metric(NamedTuple):
@@ -76,8 +78,9 @@ def finalize(metrics: Metrics) -> dict[str, Tensor]:
 
     Derived: cw/sigma = sqrt(E[c^2] - E[c]^2) from cw/cov_mean and cw/cov_sq_mean,
     cw/ess = ESS / N = (sum w~)^2 / (N sum w~^2) = 1 / E[w~^2] (w~ has mean one), and
-    cw/top1pct_cov_share from the covariance histogram (`top_share`). Histograms themselves are
-    left out: `histograms` returns them.
+    cw/top1pct_cov_share from the covariance histogram (`top_share`), and
+    cw/eff_top1pct_cov_share from the weighted covariance's. Histograms themselves are left
+    out: `histograms` returns them.
     """
     out = {}
     for name, m in metrics.items():
@@ -90,10 +93,10 @@ def finalize(metrics: Metrics) -> dict[str, Tensor]:
         )
     if "cw/w_sq_mean" in out:
         out["cw/ess"] = 1.0 / out["cw/w_sq_mean"].clamp(min=1e-30)
-    if "cw/cov_hist_count" in metrics and "cw/cov_hist_abs" in metrics:
-        out["cw/top1pct_cov_share"] = top_share(
-            metrics["cw/cov_hist_count"].value, metrics["cw/cov_hist_abs"].value, 0.01
-        )
+    for name, prefix in TOP_SHARES.items():
+        counts, sums = metrics.get(f"{prefix}cov_hist_count"), metrics.get(f"{prefix}cov_hist_abs")
+        if counts is not None and sums is not None:
+            out[name] = top_share(counts.value, sums.value, 0.01)
     return out
 
 
@@ -115,9 +118,10 @@ def cov_bin_edges() -> Tensor:
     return torch.cat([-COV_ABS_EDGES.flip(0), COV_ABS_EDGES])
 
 
-def covariance_histogram(cov: Tensor, mask: Tensor) -> Metrics:
+def covariance_histogram(cov: Tensor, mask: Tensor, prefix: str = "cw/") -> Metrics:
     """Per-bin token counts and sums of |c| of the covariance `cov [b, s]` over the counted
-    tokens (`mask [b, s]`), in the fixed bins of `cov_bin_edges`; `[COV_BINS]` float64 each."""
+    tokens (`mask [b, s]`), in the fixed bins of `cov_bin_edges`; `[COV_BINS]` float64 each,
+    named `{prefix}cov_hist_count` and `{prefix}cov_hist_abs`."""
     counted = (mask.flatten() > 0).to(torch.float64)  # a weight, not an index: no host sync
     c = cov.detach().flatten().to(torch.float64)
     magnitude = c.abs()
@@ -133,8 +137,8 @@ def covariance_histogram(cov: Tensor, mask: Tensor) -> Metrics:
     sums.index_add_(0, index, magnitude * counted)
     one = counts.new_ones(())
     return {
-        "cw/cov_hist_count": Metric(counts, one, "sum"),
-        "cw/cov_hist_abs": Metric(sums, one, "sum"),
+        f"{prefix}cov_hist_count": Metric(counts, one, "sum"),
+        f"{prefix}cov_hist_abs": Metric(sums, one, "sum"),
     }
 
 
@@ -163,13 +167,28 @@ def top_share(counts: Tensor, abs_sums: Tensor, fraction: float) -> Tensor:
 
 def covariance_metrics(stats: CovarianceStats, mask: Tensor) -> Metrics:
     """Mean and (via finalize) std of the centred covariance c over all counted tokens, from
-    the local sums that the statistics pass already made, and its histogram (via finalize,
-    the share of sum |c| in the top 1% of tokens by |c|, the paper's "extreme tokens")."""
+    the local sums that the statistics pass already made, max |c|, and its histogram (via
+    finalize, the share of sum |c| in the top 1% of tokens by |c|, the paper's "extreme
+    tokens")."""
     count, cov_sum, cov_sq_sum = stats.local_sums.unbind()
     return {
         "cw/cov_mean": Metric(cov_sum, count, "mean"),
         "cw/cov_sq_mean": Metric(cov_sq_sum, count, "mean"),
+        "cw/cov_abs_max": extreme_metric(stats.cov.abs(), mask, "max"),
         **covariance_histogram(stats.cov, mask),
+    }
+
+
+def effective_covariance_metrics(weights: Tensor, cov: Tensor, mask: Tensor) -> Metrics:
+    """The covariance as the update sees it, c~ = w~ c (`weights`, `cov [b, s]`, both zero
+    outside the mask): its mean cw/eff_cov_mean (the Cov(log pi, A) that drives the entropy
+    change, with the advantages scaled by w~), max |c~| and its histogram (via finalize, the
+    top-1% share cw/eff_top1pct_cov_share). With w~ = 1 (GRPO) they equal the cw/cov_* ones."""
+    weighted = weights.to(cov.dtype) * cov
+    return {
+        "cw/eff_cov_mean": mean_metric(weighted, mask),
+        "cw/eff_cov_abs_max": extreme_metric(weighted.abs(), mask, "max"),
+        **covariance_histogram(weighted, mask, prefix="cw/eff_"),
     }
 
 

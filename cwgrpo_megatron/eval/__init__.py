@@ -1,4 +1,5 @@
-"""Benchmark evaluation through the rollout engine: avg@n and pass@n per benchmark."""
+"""Benchmark evaluation through the rollout engine: avg@n, pass@k and distinct answers per
+benchmark."""
 
 from cwgrpo_megatron.eval.metrics import pass_at_k
 from cwgrpo_megatron.eval.names import (

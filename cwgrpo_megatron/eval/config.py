@@ -18,7 +18,7 @@ class EvalConfig:
     limit: int | None = None
     """First N problems of each benchmark; None: all."""
     n: int = 1
-    """Samples per problem (avg@n, pass@n)."""
+    """Samples per problem (avg@n; pass@k for k = 2, 4, 8, 16 below n, and n)."""
     temperature: float = 0.6
     """Sampling temperature (the paper's 0.6)."""
     top_p: float = 0.95

@@ -5,7 +5,10 @@ the `accuracy` reward (math-verify in the timeout pool), or by the training run'
 (`reward.verifier`). Reported per benchmark and as the unweighted mean over benchmarks:
 
     avg@n  = mean over problems of c / n        (the paper's pass@1 with n samples)
-    pass@n = mean over problems of [c > 0]
+    pass@k = mean over problems of 1 - C(n - c, k) / C(n, k), for k in 2, 4, 8, 16 below n
+             and k = n (the unbiased estimator; pass@n = mean of [c > 0])
+    distinct_answers = mean over problems of the number of different final answers among its
+             n samples, each read by its scorer's `final_answer` (None: not counted)
 
 Prompts that leave no room for `max_tokens` in the engine are skipped and counted.
 """
@@ -23,7 +26,13 @@ from tqdm import tqdm
 
 from cwgrpo_megatron.common.files import write_atomic
 from cwgrpo_megatron.data.prompts import Problem, PromptFormat, load_problems
-from cwgrpo_megatron.eval.metrics import pass_at_k
+from cwgrpo_megatron.eval.metrics import (
+    DISTINCT,
+    distinct_answers,
+    pass_at_k,
+    reported_ks,
+    summary_keys,
+)
 from cwgrpo_megatron.eval.names import (
     BENCHMARKS,
     FILE_SUFFIXES,
@@ -135,13 +144,16 @@ def sample_requests(
                        batch_prompts, bar)  # fmt: skip
 
 
-def _score(reward, scorers: dict, chunk, problems, texts: list[str], n: int) -> list[float]:
-    """Each completion's score by its benchmark's scorer (`scorers[name]`, else `reward`);
-    one call per scorer."""
+def _score(
+    reward, scorers: dict, chunk, problems, texts: list[str], n: int
+) -> tuple[list[float], list[str | None]]:
+    """Each completion's score and final answer by its benchmark's scorer (`scorers[name]`,
+    else `reward`); one call per scorer."""
     by_scorer: dict[str | None, list[int]] = {}
     for j, r in enumerate(chunk):
         by_scorer.setdefault(benchmark_scorer(r.benchmark), []).append(j)
     scores = [0.0] * len(texts)
+    answers: list[str | None] = [None] * len(texts)
     for name, rows in by_scorer.items():
         scorer = reward if name is None else scorers[name]
         items = [j * n + i for j in rows for i in range(n)]
@@ -151,9 +163,12 @@ def _score(reward, scorers: dict, chunk, problems, texts: list[str], n: int) -> 
             prompts=[problems[k // n].problem for k in items],
             extra=[problems[k // n].extra for k in items],
         )
+        # a plugin scorer that is no `reward.Reward` may have no notion of a final answer
+        read = getattr(scorer, "final_answer", lambda _: None)
         for k, score in zip(items, got, strict=True):
             scores[k] = score
-    return scores
+            answers[k] = read(texts[k])
+    return scores, answers
 
 
 def _sample(
@@ -170,7 +185,7 @@ def _sample(
             for c in g.completions
         ]
         problems = [benchmarks[r.benchmark][r.index] for r in chunk]
-        scores = _score(reward, scorers, chunk, problems, texts, n)
+        scores, answers = _score(reward, scorers, chunk, problems, texts, n)
         for j, (r, problem) in enumerate(zip(chunk, problems, strict=True)):
             out.append(
                 [
@@ -182,11 +197,13 @@ def _sample(
                         "tokens": len(c.token_ids),
                         "finish_reason": c.finish_reason,
                         "score": score,
+                        "final_answer": answer,
                     }
-                    for c, text, score in zip(
+                    for c, text, score, answer in zip(
                         groups[j].completions,
                         texts[j * n : (j + 1) * n],
                         scores[j * n : (j + 1) * n],
+                        answers[j * n : (j + 1) * n],
                         strict=True,
                     )
                 ]
@@ -205,13 +222,12 @@ def eval_result(
 ) -> dict:
     """{"summary": {bench: {...}, "average": {...}}, "samples": [one record per completion]}
     from every request's records (in request order)."""
-    correct: dict[str, dict[int, int]] = {name: {} for name in skipped}
+    groups: dict[str, list[list[dict]]] = {name: [] for name in skipped}
     for r, group in zip(requests, records, strict=True):
-        correct[r.benchmark][r.index] = sum(x["score"] > 0 for x in group)
-    summary = {name: _summarise(correct[name], n, skipped=skipped[name]) for name in skipped}
-    keys = (f"avg@{n}", f"pass@{n}")
+        groups[r.benchmark].append(group)
+    summary = {name: _summarise(groups[name], n, skipped=skipped[name]) for name in skipped}
     summary["average"] = {
-        k: sum(s[k] for s in summary.values()) / max(len(summary), 1) for k in keys
+        k: sum(s[k] for s in summary.values()) / max(len(summary), 1) for k in summary_keys(n)
     }
     return {"summary": summary, "samples": [x for group in records for x in group]}
 
@@ -268,14 +284,15 @@ def evaluate(
     return eval_result(requests, records, skipped, n=n)
 
 
-def _summarise(correct: dict[int, int], n: int, *, skipped: int) -> dict:
-    count = max(len(correct), 1)
-    return {
-        f"avg@{n}": sum(pass_at_k(n, c, 1) for c in correct.values()) / count,
-        f"pass@{n}": sum(pass_at_k(n, c, n) for c in correct.values()) / count,
-        "problems": len(correct),
-        "skipped_long_prompts": skipped,
-    }
+def _summarise(groups: list[list[dict]], n: int, *, skipped: int) -> dict:
+    """A benchmark's `summary_keys(n)` from its problems' sample records, and its counts."""
+    count = max(len(groups), 1)
+    correct = [sum(x["score"] > 0 for x in group) for group in groups]
+    out = {f"avg@{n}": sum(pass_at_k(n, c, 1) for c in correct) / count}
+    for k in reported_ks(n):
+        out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / count
+    out[DISTINCT] = sum(distinct_answers([x["final_answer"] for x in g]) for g in groups) / count
+    return {**out, "problems": len(groups), "skipped_long_prompts": skipped}
 
 
 def load_benchmarks(
@@ -307,14 +324,14 @@ def write_json(result: dict, path: str | os.PathLike) -> Path:
 
 
 def format_table(summary: dict, n: int) -> str:
-    rows = [f"{'benchmark':<15} {f'avg@{n}':>8} {f'pass@{n}':>8} {'problems':>9} {'skipped':>8}"]
+    """One row per benchmark and the average: the rates in percent (`summary_keys`), distinct
+    answers per problem as a count, then problems and skipped prompts."""
+    rates = summary_keys(n)[:-1]
+    head = " ".join(f"{k:>8}" for k in rates)
+    rows = [f"{'benchmark':<15} {head} {'distinct':>8} {'problems':>9} {'skipped':>8}"]
     for name, s in summary.items():
-        if name == "average":
-            continue
-        rows.append(
-            f"{name:<15} {100 * s[f'avg@{n}']:>8.1f} {100 * s[f'pass@{n}']:>8.1f} "
-            f"{s['problems']:>9} {s['skipped_long_prompts']:>8}"
-        )
-    a = summary["average"]
-    rows.append(f"{'average':<15} {100 * a[f'avg@{n}']:>8.1f} {100 * a[f'pass@{n}']:>8.1f}")
+        cells = " ".join(f"{100 * s[k]:>8.1f}" for k in rates) + f" {s[DISTINCT]:>8.2f}"
+        if name != "average":
+            cells += f" {s['problems']:>9} {s['skipped_long_prompts']:>8}"
+        rows.append(f"{name:<15} {cells}")
     return "\n".join(rows)

@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cwgrpo_megatron.common.settings import signature_options
+from cwgrpo_megatron.data.latex import last_boxed
 from cwgrpo_megatron.reward.config import ON_ERROR, RewardConfig
 from cwgrpo_megatron.reward.names import REWARDS, VERIFIERS
 from cwgrpo_megatron.reward.pool import TimedCalls, TimeoutPool
 from cwgrpo_megatron.reward.repetition import repeated_ngram_fraction
-from cwgrpo_megatron.reward.verify import VerifyStats, verify_one
+from cwgrpo_megatron.reward.verify import VerifyStats, answer_region, verify_one
 
 register_reward = REWARDS.register
 
@@ -66,6 +67,11 @@ class Reward:
     needs_correct = False
     """The reward reads math-verify's verdict (`correct=`, 1.0 / 0.0 per completion)."""
 
+    def final_answer(self, completion: str) -> str | None:
+        """The answer this reward reads from `completion`, as text (evaluation counts the
+        distinct ones per problem); None when it reads none, or has no notion of one."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -88,6 +94,12 @@ class AccuracyReward(Reward):
         self.timeout_s = timeout_s
         self.stats = VerifyStats()
         self._pool: TimeoutPool | None = None
+
+    def final_answer(self, completion: str) -> str | None:
+        """The last \\boxed{} after </think>, whitespace removed (two forms of one value, "1/2"
+        and "\\frac12", count as two answers)."""
+        boxed = last_boxed(answer_region(completion))
+        return None if boxed is None else "".join(boxed.split())
 
     def __call__(
         self,
@@ -275,6 +287,10 @@ class IntegerAnswerReward(Reward):
 
     def __init__(self) -> None:
         self.stats = VerifyStats()
+
+    def final_answer(self, completion: str) -> str | None:
+        found = first_integer(completion)
+        return None if found is None else str(found)
 
     def __call__(self, *, completions: Sequence[str], answers: Sequence[str], **_) -> list[float]:
         _check_lengths(completions, answers)

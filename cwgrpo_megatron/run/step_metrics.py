@@ -25,7 +25,8 @@ bandwidth in the global scope), cw/ess the effective sample size of the weights 
 the tokens, ESS / N = 1 / E[w~^2], and cw/top1pct_cov_share the share of sum |c| carried by
 the 1% of tokens of largest |c| (the paper's "extreme tokens"; from a histogram of c with bins
 a factor 1.33 wide, `algo.metrics.top_share`). The histogram of c itself goes to TensorBoard
-as cw/cov (`cov_histogram`).
+as cw/cov (`cov_histogram`). cw/eff_* (CW-GRPO) are the same statistics of w~ c, the
+covariance with the advantages as the update weights them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""avg@n and pass@n of scored completions: the evaluation runner with the accuracy reward (its
-timeout pool of worker processes) on fixed completion texts."""
+"""avg@n, pass@k and distinct final answers of scored completions: the evaluation runner with
+the accuracy reward (its timeout pool of worker processes) on fixed completion texts."""
 
 import pytest
 
@@ -27,7 +27,7 @@ class ScriptedEngine:
         return groups
 
 
-def test_avg_and_pass_at_n_from_scored_completions():
+def test_avg_pass_at_k_and_distinct_answers_from_scored_completions():
     from cwgrpo_megatron.data.tokenizers import qwen25_tokenizer
 
     tok = qwen25_tokenizer()
@@ -49,5 +49,14 @@ def test_avg_and_pass_at_n_from_scored_completions():
     )
     toy = result["summary"]["toy"]
     assert toy["avg@4"] == pytest.approx((0.5 + 0.0) / 2) and toy["pass@4"] == pytest.approx(0.5)
+    # pass@2 = 1 - C(2, 2) / C(4, 2) = 5/6 for a, 0 for b
+    assert toy["pass@2"] == pytest.approx(5 / 12)
     assert [s["score"] for s in result["samples"]] == [1, 0, 1, 0, 0, 0, 0, 0]
-    assert "toy" in format_table(result["summary"], 4)
+    answers = [s["final_answer"] for s in result["samples"]]
+    assert answers == ["2", "3", "2", None, "5", "5", "5", "5"]
+    assert toy["distinct_answers"] == pytest.approx((2 + 1) / 2)
+    assert set(result["summary"]["average"]) == {"avg@4", "pass@2", "pass@4", "distinct_answers"}
+    rows = format_table(result["summary"], 4).splitlines()
+    assert rows[0].split() == ["benchmark", "avg@4", "pass@2", "pass@4", "distinct", "problems",
+                               "skipped"]  # fmt: skip
+    assert rows[1].split() == ["toy", "25.0", "41.7", "50.0", "1.50", "2", "0"]

@@ -69,7 +69,8 @@ def test_the_documented_command_runs_with_a_clamped_length(short_model, tmp_path
     for name in FIVE:
         s = result["summary"][name]
         assert s["problems"] + s["skipped_long_prompts"] == 2
-        assert set(s) == {"avg@4", "pass@4", "problems", "skipped_long_prompts"}
+        keys = {"avg@4", "pass@2", "pass@4", "distinct_answers"}
+        assert set(s) == keys | {"problems", "skipped_long_prompts"}
     assert result["summary"]["aime24"]["problems"] >= 1
     sample = result["samples"][0]
     assert set(sample) == {
@@ -80,6 +81,7 @@ def test_the_documented_command_runs_with_a_clamped_length(short_model, tmp_path
         "tokens",
         "finish_reason",
         "score",
+        "final_answer",
     }
     assert len(result["samples"]) == 4 * sum(result["summary"][b]["problems"] for b in FIVE)
     assert max(x["tokens"] for x in result["samples"]) <= 512

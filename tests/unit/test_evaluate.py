@@ -35,6 +35,15 @@ def test_pass_at_k_estimator():
         pass_at_k(3, 1, 4)
 
 
+def test_the_summary_reports_pass_at_2_4_8_16_below_n():
+    from cwgrpo_megatron.eval.metrics import distinct_answers, reported_ks, summary_keys
+
+    assert reported_ks(1) == [1] and reported_ks(4) == [2, 4] and reported_ks(16) == [2, 4, 8, 16]
+    assert reported_ks(32) == [2, 4, 8, 16, 32] and reported_ks(6) == [2, 4, 6]
+    assert summary_keys(8) == ["avg@8", "pass@2", "pass@4", "pass@8", "distinct_answers"]
+    assert distinct_answers(["3", None, "3", "4", None]) == 2 and distinct_answers([None]) == 0
+
+
 def test_every_benchmark_name_is_shipped_with_its_source_stated():
     shipped = {p.stem for p in SHIPPED.glob("*.jsonl")}
     assert shipped == set(BENCHMARKS)

@@ -20,7 +20,12 @@ from cwgrpo_megatron.algo.aggregation import get_loss_aggregation
 from cwgrpo_megatron.algo.covariance import centred_covariance
 from cwgrpo_megatron.algo.kl import get_kl_estimator
 from cwgrpo_megatron.algo.losses import POLICY_LOSSES, kth_largest
-from cwgrpo_megatron.algo.metrics import finalize, merge
+from cwgrpo_megatron.algo.metrics import (
+    covariance_metrics,
+    effective_covariance_metrics,
+    finalize,
+    merge,
+)
 from cwgrpo_megatron.algo.scope import pools_from_index, single_pool
 from cwgrpo_megatron.comm import reduce_metrics
 from cwgrpo_megatron.config import AlgoConfig
@@ -263,6 +268,22 @@ def test_metrics_merge_over_micro_batches_equals_whole_batch():
     torch.testing.assert_close(whole["cw/cov_mean"], cov.mean())
     frac = (w < 0.5).double().mean()
     torch.testing.assert_close(whole["cw/frac_w_below_half"], frac)
+    # the covariance the update sees, w~ c: smaller tails than c's where w~ damps them
+    weighted = w * cov
+    torch.testing.assert_close(whole["cw/cov_abs_max"], cov.abs().max())
+    torch.testing.assert_close(whole["cw/eff_cov_mean"], weighted.mean())
+    torch.testing.assert_close(whole["cw/eff_cov_abs_max"], weighted.abs().max())
+    assert whole["cw/eff_cov_abs_max"] < whole["cw/cov_abs_max"]
+    assert whole["cw/eff_top1pct_cov_share"] < whole["cw/top1pct_cov_share"]
+
+
+def test_the_effective_covariance_with_unit_weights_is_the_covariance():
+    _, old, _, adv, mask = make_batch(seed=3, b=8)
+    stats = centred_covariance(old, adv, mask, single_pool(8))
+    raw = finalize(covariance_metrics(stats, mask))
+    eff = finalize(effective_covariance_metrics(mask.float(), stats.cov, mask))
+    for name in ("cov_mean", "cov_abs_max", "top1pct_cov_share"):
+        torch.testing.assert_close(eff[f"cw/eff_{name}"], raw[f"cw/{name}"], msg=name)
 
 
 def test_clip_fractions_count_where_the_clip_cuts_the_gradient():

@@ -290,8 +290,9 @@ def test_a_plugin_benchmark_is_loaded_by_name_and_scored_by_its_scorer():
     problems = benchmarks["toy_sums"]
     scorers = {"integer_answer": get_reward("integer_answer")}
     with get_reward("format") as default:  # what a benchmark without a scorer would use
-        scores = _score(default, scorers, chunk, problems, ["74", "so 31", "30", "30!"], 2)
+        scores, answers = _score(default, scorers, chunk, problems, ["74", "so 31", "30", "30!"], 2)
     assert scores == [1.0, 0.0, 1.0, 1.0]  # integer_answer's verdicts (format gives 0 here)
+    assert answers == ["74", "31", "30", "30"]  # and the answers it read
 
 
 @pytest.mark.parametrize("on_error", ["raise", "zero"])

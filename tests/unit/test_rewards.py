@@ -100,3 +100,13 @@ def test_overlong_settings_that_cannot_work_are_refused():
     with build_reward(cfg.reward, max_tokens=cfg.rollout.max_tokens) as reward:
         limit = cfg.rollout.max_tokens
         assert reward.parts["overlong"][1].max_tokens == limit
+
+
+def test_each_verifier_reads_the_final_answer_it_scores():
+    accuracy, integer = get_reward("accuracy"), get_reward("integer_answer")
+    text = "<think>maybe \\boxed{3}</think> so \\boxed{ \\frac{1}{2} } or \\boxed{1 / 2}"
+    assert accuracy.final_answer(text) == "1/2"
+    assert accuracy.final_answer("<think>\\boxed{3}</think> no box after") is None
+    assert integer.final_answer("it is -12, not 4") == "-12"
+    assert integer.final_answer("no digits") is None
+    assert get_reward("format").final_answer(text) is None  # no notion of an answer
