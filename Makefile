@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: test check demo compare compare-dynamic compare-stats lint format bench clean
+.PHONY: test check demo compare compare-dynamic compare-stats compare-long lint format bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -122,6 +122,21 @@ compare-stats: $(STAMP)
 	$(PY) tools/compare_runs.py runs/compare_stats/*_seed* --out docs/results --name compare_stats \
 		--label trainer='*/trainer_seed*' --label rollout='*/rollout_seed*' \
 		--pair trainer,rollout
+
+# compare-long: GRPO vs CW-GRPO, 3 seeds x 48 steps with dynamic sampling, on the task of
+# configs/compare_long_cpu.yaml (stacked on compare_cpu.yaml), into runs/compare_long and
+# docs/results/compare_long.{md,png} with the mechanism figure compare_long_mechanism.png
+# (a few hours on 2 cores: run it in the background, `nohup make compare-long &`).
+compare-long: $(STAMP)
+	$(PY) tools/import_gguf.py --out $(SMOLLM2)
+	set -e; for seed in $(COMPARE_SEEDS); do for loss in grpo cw_grpo; do \
+		rm -rf runs/compare_long/$${loss}_seed$$seed; \
+		$(PY) -m cwgrpo_megatron.train --config configs/compare_cpu.yaml \
+			--config configs/compare_long_cpu.yaml model.path=$(SMOLLM2) \
+			algo.policy_loss=$$loss train.seed=$$seed data.seed=$$seed \
+			run.out_dir=runs/compare_long/$${loss}_seed$$seed; \
+	done; done
+	$(PY) tools/compare_runs.py runs/compare_long/*_seed* --out docs/results --name compare_long
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -318,6 +318,11 @@ class RunConfig:
     summary reads "held-out accuracy: before -> after"."""
     log_every: int = 1
     """Console lines, TensorBoard and W&B every k steps (metrics.jsonl gets every step)."""
+    probe_groups: int = 0
+    """The first k groups of step 1's rollouts, kept as a fixed probe set: before every step's
+    update the trainer scores their completions (teacher-forced, no sampling) and logs
+    probe/entropy, so that entropy changes between steps carry no sampling noise. A multiple
+    of the data-parallel size; 0: off."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in out_dir if there is one; none:
     start afresh (refused when out_dir already holds checkpoints); or a checkpoint folder."""
@@ -356,7 +361,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.out_dir:
             raise ValueError("run.out_dir is empty: name the run folder")
-        for key in ("save_every", "eval_every", "verify_sync"):
+        for key in ("save_every", "eval_every", "verify_sync", "probe_groups"):
             check_range(f"run.{key}", getattr(self, key), low=0)
         for key in ("keep_last", "log_every"):
             check_range(f"run.{key}", getattr(self, key), low=1)
@@ -441,6 +446,12 @@ class Config:
         problem = engine_stats_problem(self)
         if problem:
             raise ValueError(f"algo.stats_logp=rollout with {problem}: use algo.stats_logp=trainer")
+        if self.run.probe_groups > self.train.prompts_per_step:
+            raise ValueError(
+                f"run.probe_groups={self.run.probe_groups} exceeds the "
+                f"train.prompts_per_step={self.train.prompts_per_step} groups of step 1 it is "
+                "taken from: lower it"
+            )
         if "heldout" in self.eval.benchmarks and d.heldout_size == 0:
             raise ValueError(
                 "eval.benchmarks names heldout but data.heldout_size=0: set data.heldout_size"
@@ -471,18 +482,22 @@ class Config:
                 f"{problem}: fit train.prompts_per_step, train.ppo_mini_batches and "
                 "train.micro_batch_size to the layout (whole prompt groups per rank)"
             )
+        probe = self.run.probe_groups and self.split_problem(self.run.probe_groups, dp, 1)
+        if probe:
+            raise ValueError(f"run.probe_groups: {probe}; choose a multiple of dp={dp} that fits")
         return dp
 
-    def split_problem(self, prompts: int, dp: int) -> str | None:
-        """Why a batch of `prompts` groups cannot be trained at data-parallel size `dp`
-        (`split_problem`, with this config's train settings), or None when it can."""
+    def split_problem(self, prompts: int, dp: int, mini_batches: int | None = None) -> str | None:
+        """Why a batch of `prompts` groups cannot be trained at data-parallel size `dp` in
+        `mini_batches` (default train.ppo_mini_batches; `split_problem`, with this config's
+        train settings), or None when it can."""
         t = self.train
         budget = t.max_tokens_per_micro_batch is not None
         return split_problem(
             prompts,
             dp=dp,
             group_size=t.group_size,
-            mini_batches=t.ppo_mini_batches,
+            mini_batches=mini_batches or t.ppo_mini_batches,
             micro_batch_size=None if budget else t.micro_batch_size,
         )
 

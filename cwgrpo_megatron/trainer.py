@@ -17,7 +17,8 @@ step 10 is `components.sync.WeightSync`):
                    after step k-1 (policy lag 1), and are gathered before step 10
     4. advantages  per group, and the TrainBatch (identical on every rank)
     5-9.           `train_step`: micro-batches, forward-only pass, scope statistics, 1F1B
-                   training pass, optimizer step, metrics reduced once
+                   training pass, optimizer step, metrics reduced once (before it, with
+                   run.probe_groups, the policy's entropy on a fixed probe set)
     10. sync       the engines' weights wake, the trainer's weights go into every
                    replica's engine, then their KV caches wake; every run.verify_sync steps
                    each engine is checked
@@ -46,7 +47,7 @@ from cwgrpo_megatron.eval.metrics import summary_keys
 from cwgrpo_megatron.eval.runner import write_json
 from cwgrpo_megatron.megatron import train_checkpoint
 from cwgrpo_megatron.megatron.conversion import export_hf
-from cwgrpo_megatron.megatron.train_step import train_step
+from cwgrpo_megatron.megatron.train_step import probe_entropy, train_step
 from cwgrpo_megatron.rollout.base import SamplingConfig
 from cwgrpo_megatron.run.run_dir import write_samples
 from cwgrpo_megatron.run.step_metrics import (
@@ -80,6 +81,8 @@ class LoopState:
     ahead: StepRollouts | None = None
     """Step `step + 1`'s scored groups, made during step `step` (token ids, sampling
     log-probs, rewards: small beside the model)."""
+    probe: TrainBatch | None = None
+    """The fixed probe sequences (run.probe_groups of step 1's groups), once step 1 made them."""
 
     def state_dict(self) -> dict:
         return {"step": self.step, "sampler": self.sampler.state_dict()}
@@ -87,12 +90,14 @@ class LoopState:
     def objects(self) -> dict:
         """What the checkpoint keeps beside `state_dict` (`train_checkpoint.save`'s
         data_objects)."""
-        return {"ahead": self.ahead} if self.ahead is not None else {}
+        kept = {"ahead": self.ahead, "probe": self.probe}
+        return {name: value for name, value in kept.items() if value is not None}
 
     def load_state_dict(self, state: dict, objects: dict | None = None) -> None:
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.ahead = (objects or {}).get("ahead")
+        self.probe = (objects or {}).get("probe")
 
 
 @dataclass(kw_only=True)
@@ -135,6 +140,7 @@ class Trainer:
                 self.rollouts.sleep()
             scored = made.scored
             batch = self.advantages(scored)
+            probed = self.probe(scored, timer)
             results = train_step(self.actor, batch, timer=timer)
             with timer("rollout_wait"):  # the background generation's part not hidden
                 self.state.ahead = ahead.finish() if ahead else None
@@ -147,7 +153,12 @@ class Trainer:
                 self.rollouts.wake("kv_cache")
             with timer("sync"):
                 checked = self.sync.check(model, engine, step=step)
-            metrics = {**rollout_metrics(scored), **made.metrics, **actor_metrics(results)}
+            metrics = {
+                **rollout_metrics(scored),
+                **made.metrics,
+                **actor_metrics(results),
+                **probed,
+            }
             metrics.update({"rollout/policy_lag": float(made.lag(step)), **pushed, **checked})
             self.write_samples(step, scored)
             if _due(step, cfg.run.eval_every, cfg.train.total_steps) and self.cfg.eval.benchmarks:
@@ -189,6 +200,16 @@ class Trainer:
             std_normalize=a.adv_std_normalize,
             adv_eps=a.adv_eps,
         )
+
+    def probe(self, scored: list[ScoredGroup], timer: PhaseTimer) -> dict[str, float]:
+        """Before the update: probe/entropy on the fixed probe set, which step 1 takes from its
+        first run.probe_groups groups ({} when run.probe_groups = 0)."""
+        if not self.cfg.run.probe_groups:
+            return {}
+        with timer("probe"):
+            if self.state.probe is None:
+                self.state.probe = self.advantages(scored[: self.cfg.run.probe_groups])
+            return {"probe/entropy": probe_entropy(self.actor, self.state.probe)}
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The benchmarks on every engine (`Rollouts.evaluate`); rank 0 writes

@@ -10,6 +10,10 @@ reward). See cwgrpo_megatron/analysis/run_compare.py for every statistic's defin
         --label trainer='*/trainer_*' --label rollout='*/rollout_*' --pair trainer,rollout
 
 Runs are grouped by their algo.policy_loss unless a --label NAME=GLOB rule matches the folder.
+Where runs logged probe/entropy (run.probe_groups) or held-out pass@k, the table adds the
+mechanism and diversity statistics (the entropy change against the covariance, the tails of
+c and w~ c, pass@k and distinct answers at matched accuracy; `analysis/mechanism.py`) and
+NAME_mechanism.png.
 --pair A,B adds, for two groups run at the same seeds, each statistic's gap between them at
 the same seed and step against its spread over seeds (the table, and NAME_pairs.png).
 """
@@ -36,6 +40,12 @@ def main(argv=None) -> int:
     parser.add_argument("--pair", metavar="A,B", help="two groups run at the same seeds")
     parser.add_argument("--quiet", action="store_true", help="print only where the files went")
     args = parser.parse_args(argv)
+    from cwgrpo_megatron.analysis.mechanism import (
+        entropy_changes,
+        mechanism_table,
+        plot_mechanism,
+        top_pass_key,
+    )
     from cwgrpo_megatron.analysis.run_compare import (
         label_runs,
         markdown,
@@ -48,6 +58,9 @@ def main(argv=None) -> int:
     try:
         runs = label_runs(args.runs, args.label)
         table = markdown(runs)
+        mechanism = any(entropy_changes(r) or top_pass_key(r) for r in runs)
+        if mechanism:
+            table += "\n" + mechanism_table(runs)
         if args.pair:
             a, sep, b = args.pair.partition(",")
             if not sep or not a or not b:
@@ -62,6 +75,8 @@ def main(argv=None) -> int:
     write_atomic(text, table)
     plot(runs, figure)
     written = [figure]
+    if mechanism:
+        written.append(plot_mechanism(runs, out / f"{args.name}_mechanism.png"))
     if args.pair:
         written.append(plot_pairs(runs, a, b, out / f"{args.name}_pairs.png"))
     if not args.quiet:

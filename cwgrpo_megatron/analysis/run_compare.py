@@ -52,11 +52,20 @@ REWARD_BINS = ((0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9))
 # Steps where every advantage is its pool's mean (every group's rewards equal) have c = 0 on
 # every token and sigma = 0: the share is undefined there, and the CW weights are all 1 but
 # weigh nothing (A = 0), so such steps are left out of these curves and statistics.
-SIGNAL_ONLY = {"cw/top1pct_cov_share", "cw/w_min", "cw/frac_w_below_half"}
+SIGNAL_ONLY = {
+    "cw/top1pct_cov_share",
+    "cw/eff_top1pct_cov_share",
+    "cw/cov_abs_max",
+    "cw/eff_cov_abs_max",
+    "cw/w_min",
+    "cw/frac_w_below_half",
+}
 PANELS = (
     ("reward", ("reward/mean",)),
     ("held-out accuracy", ("eval/heldout/avg@*",)),
+    ("held-out pass@16, pass@4", ("eval/heldout/pass@16", "eval/heldout/pass@4")),
     ("entropy (nats)", ("actor/entropy",)),
+    ("probe-set entropy (nats)", ("probe/entropy",)),
     ("response length (tokens)", ("response_length/mean",)),
     ("CW weights", ("cw/w_min", "cw/frac_w_below_half")),
     ("grad norm", ("actor/grad_norm",)),

@@ -27,7 +27,12 @@ from cwgrpo_megatron.megatron import parallel
 from cwgrpo_megatron.megatron.model import load_hf_weights
 from cwgrpo_megatron.megatron.publish import hf_weights, in_engine_group
 from cwgrpo_megatron.megatron.routing import recorded_routing
-from cwgrpo_megatron.megatron.train_step import build_actor, param_checksum, train_step
+from cwgrpo_megatron.megatron.train_step import (
+    build_actor,
+    param_checksum,
+    probe_entropy,
+    train_step,
+)
 
 
 def hf_source(*, seed: int = 0, hf_dir: str | None = None, num_layers: int | None = None):
@@ -170,12 +175,13 @@ def run(
     plant: one of PLANTS, an error built in on purpose.
 
     Returns on every rank {"loss": [...], "grad_norm": [...], "param_checksum": float,
-    "layout": {...}, "skipped": [...], "metrics": [...]}, for a MoE model "routing" (this
-    rank's top-k expert ids of every router call, `routing.recorded_routing`, as lists), and
-    on rank 0 "update": {hf_name:
-    [u, n]} per HF tensor for the change d = theta_end - theta_0 (in the unpermuted model):
-    u = sum(r * d) for a fixed Gaussian r seeded by the name, n = |d|. `batch_fn(step, arch)`
-    may replace the synthetic batch.
+    "layout": {...}, "skipped": [...], "metrics": [...], "probe_entropy": [...]} (the last
+    one value per step before its update with run.probe_groups in `overrides`, else empty),
+    for a MoE model "routing" (this rank's top-k expert ids of every router call,
+    `routing.recorded_routing`, as lists), and on rank 0 "update": {hf_name: [u, n]} per HF
+    tensor for the change d = theta_end - theta_0 (in the unpermuted model): u = sum(r * d)
+    for a fixed Gaussian r seeded by the name, n = |d|. `batch_fn(step, arch)` may replace the
+    synthetic batch.
     """
     if plant is not None and plant not in PLANTS:
         raise ValueError(f"unknown plant {plant!r}; choose from {', '.join(PLANTS)}")
@@ -224,7 +230,8 @@ def run(
             actor.model.finish_grad_sync = lambda *a, **k: None
         start = _hf_snapshot(actor.model, arch)
         initial = param_checksum(actor.model)
-        losses, norms, skipped, metrics, padded, counts = [], [], [], [], [], []
+        losses, norms, skipped, metrics, padded, counts, probes = [], [], [], [], [], [], []
+        probe = None
         routing = recorded_routing(actor.model) if arch.is_moe else contextlib.nullcontext()
         with routing as calls:
             for step in range(steps):
@@ -242,6 +249,10 @@ def run(
                     batch = dataclasses.replace(
                         batch, tokens=perm.tokens(batch.tokens), labels=perm.tokens(batch.labels)
                     )
+                if cfg.run.probe_groups:  # the trainer's probe: step 1's first groups, fixed
+                    if probe is None:
+                        probe = batch.select(slice(0, cfg.run.probe_groups * group_size))
+                    probes.append(probe_entropy(actor, probe))
                 for result in train_step(actor, batch):
                     losses.append(result.loss)
                     norms.append(result.grad_norm)
@@ -258,6 +269,7 @@ def run(
             "metrics": metrics,
             "padded_tokens": padded,
             "micro_batch_counts": counts,
+            "probe_entropy": probes,
             "layout": {**parallel.layout(), "micro_batches": micro_batches},
         }
         if calls is not None:

@@ -12,6 +12,8 @@ Tasks (`SYNTHETIC_TASKS`, a registry; each draws one problem from a `random.Rand
     larger     "Which number is larger, 41 or 67?" after one worked example -> 67
     smaller    the same with the smaller number                             -> 41
     successor  "What number comes right after 57?"                          -> 58
+    largest3   "Which number is largest: 412, 87, 630?" after one example    -> 630
+    largest5   the same with five numbers of up to 4 digits (a harder held-out split)
 
 A source's problems are distinct texts in a fixed order, a function of (task, n, seed) only, so
 the held-out split that `data.heldout_size` takes from them never shares a problem with the
@@ -72,6 +74,23 @@ def smaller(rng: random.Random) -> tuple[str, int]:
         f"Which number is smaller, {a} or {b}? Answer:"
     )
     return text, min(a, b)
+
+
+def _largest(rng: random.Random, count: int, high: int) -> tuple[str, int]:
+    numbers = rng.sample(range(10, high + 1), count)
+    example = "Which number is largest: 231, 58, 407? Answer: 407"
+    asked = f"Which number is largest: {', '.join(map(str, numbers))}? Answer:"
+    return f"{example}\n{asked}", max(numbers)
+
+
+@register_task("largest3")
+def largest3(rng: random.Random) -> tuple[str, int]:
+    return _largest(rng, 3, 999)
+
+
+@register_task("largest5")
+def largest5(rng: random.Random) -> tuple[str, int]:
+    return _largest(rng, 5, 9999)
 
 
 @register_task("successor")

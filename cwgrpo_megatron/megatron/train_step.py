@@ -54,7 +54,7 @@ from megatron.core.transformer.moe.moe_utils import (
 
 from cwgrpo_megatron.algo import PolicyBatch, PolicyLoss, build_policy_loss, needs_policy_pass
 from cwgrpo_megatron.algo.config import AlgoConfig
-from cwgrpo_megatron.algo.metrics import Metrics, finalize, histograms, merge
+from cwgrpo_megatron.algo.metrics import Metrics, finalize, histograms, mean_metric, merge
 from cwgrpo_megatron.comm import (
     broadcast_object,
     make_scope,
@@ -414,6 +414,39 @@ def train_step(
         with timer("train"):
             results.append(_update(actor, local, plan, old[k], policy_logp, ref_logp))
     return results
+
+
+def probe_entropy(actor: Actor, probe: TrainBatch) -> float:
+    """The policy's mean token entropy on fixed sequences `probe` (the whole set, identical on
+    every rank), teacher-forced at the sampling temperature, with no sampling noise:
+
+        H = sum_t m_t H_t / sum_t m_t,   H_t = -sum_v p_v log p_v   (over the counted tokens)
+
+    One forward-only pass over this rank's block of rows (its per-token entropy reduced over
+    the TP vocabulary shards), one SUM all-reduce over DP, a broadcast from the last pipeline
+    stage."""
+    multiple = actor.sequence_multiple
+    local = (
+        probe.to(device())
+        .shard(
+            parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        )
+        .padded_to(multiple)
+    )
+    plan = micro_batches(local, actor.train, multiple=multiple)
+    _, entropy = logprobs(
+        actor.model, local, plan, temperature=actor.train.temperature, arch=actor.arch
+    )
+    value = None
+    if entropy is not None:
+        parts = {"probe/entropy": mean_metric(entropy, local.loss_mask)}
+        reduced = reduce_metrics(parts, group=parallel_state.get_data_parallel_group())
+        value = float(finalize(reduced)["probe/entropy"])
+    return broadcast_object(
+        value,
+        parallel_state.get_pipeline_model_parallel_last_rank(),
+        parallel_state.get_pipeline_model_parallel_group(),
+    )
 
 
 def _engine_logp(local: TrainBatch) -> torch.Tensor:

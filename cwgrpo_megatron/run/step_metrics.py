@@ -10,6 +10,8 @@
     response_length/clip_ratio        share of completions cut at rollout.max_tokens
     response/repetition_4gram         mean share of repeated word 4-grams
     groups/frac_zero_std              share of prompt groups whose rewards are all equal (A = 0)
+    probe/entropy                     mean token entropy on the fixed probe set, before the
+                                      step's update (run.probe_groups)
     actor/*, cw/*, rollout/gap_*      the loss's metrics (`algo.metrics`, reduced over the global
                                       batch), averaged over the step's PPO mini-batches
     actor/padded_tokens               token positions the training passes ran over (rows x
@@ -43,6 +45,7 @@ PHASES = (
     "rollout_wait",
     "sleep",
     "reward",
+    "probe",
     "old_logp",
     "train",
     "wake",

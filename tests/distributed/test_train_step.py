@@ -217,13 +217,27 @@ def test_engine_statistics_run_no_forward_only_pass_at_every_layout():
         assert_same(got, ref, 1e-5, f"engine statistics {name}")
 
 
+ADAM_PROBED = ["optim.optimizer=adam", "optim.lr=1e-3", "run.probe_groups=4"]
+
+
 def test_layouts_agree_with_adam():
     # Adam divides by sqrt(v): parameters whose gradients are ~0 amplify fp32 reduction-order
     # noise into visible updates, so the check is looser than SGD's 1e-5.
-    overrides = ["optim.optimizer=adam", "optim.lr=1e-3"]
-    ref = layout("tp1-pp1-dp1-mb4", overrides)
-    got = layout("tp2-pp2-mb4", overrides)
+    ref = layout("tp1-pp1-dp1-mb4", ADAM_PROBED)
+    got = layout("tp2-pp2-mb4", ADAM_PROBED)
     assert_same(got, ref, 1e-3, "adam tp2-pp2-mb4")
+
+
+def test_the_probe_entropy_is_the_policys_before_each_update_at_every_layout():
+    """Step 1's probe is its whole batch (4 groups) before the update: the entropy its training
+    forward logs. Step 2's is the same sequences under the updated policy."""
+    ref = layout("tp1-pp1-dp1-mb4", ADAM_PROBED)
+    first, second = ref["probe_entropy"]
+    assert first == pytest.approx(ref["metrics"][0]["actor/entropy"], rel=1e-6)
+    assert abs(second - first) > 1e-4, "the update must move the probe's entropy"
+    for name in ("tp2-pp2-mb4", "pp2-dp2-mb2"):
+        got = layout(name, ADAM_PROBED)["probe_entropy"]
+        assert got == pytest.approx(ref["probe_entropy"], rel=1e-5), name
 
 
 def test_micro_batch_scope_depends_on_layout_and_warns():

@@ -70,9 +70,11 @@ DYNAMIC = (
     "train.gen_prompts_per_step=6",
     "train.dynamic_sampling_eps=0.15",
     "train.max_gen_batches=8",
+    "run.probe_groups=2",
 )
 """Dynamic sampling on the tiny task, with a threshold that drops about half of its groups
-(their reward stds are 0-0.21): rounds of 6 prompts until 4 groups have a std >= 0.15."""
+(their reward stds are 0-0.21): rounds of 6 prompts until 4 groups have a std >= 0.15. And a
+probe set of step 1's first 2 groups (probe/entropy every step)."""
 
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -353,6 +355,10 @@ def test_sigkill_then_resume_writes_the_uninterrupted_metrics(
     code, log = launch(resumed_run, env=env)
     assert code == 0, log
     assert "resumed from" in log and "at step 1" in log
+    # the probe set is step 1's, kept in the checkpoint: the resumed steps score the same
+    # sequences (the comparisons below include probe/entropy), which the updates move
+    probes = [row["probe/entropy"] for row in metrics(out) if "probe/entropy" in row]
+    assert len(probes) == 3 and len(set(probes)) == 3, probes
     if nproc == 1:
         assert without_timings(metrics(out)) == without_timings(metrics(vllm_run))
     else:

@@ -31,12 +31,29 @@ def test_the_answers_are_right():
     for row in generate("successor", 20):
         n = row["problem"].split("after ")[1].split("?")[0]
         assert int(row["answer"]) == int(n) + 1
+    for task, count in (("largest3", 3), ("largest5", 5)):
+        for row in generate(task, 20):
+            asked = row["problem"].splitlines()[-1].removeprefix("Which number is largest: ")
+            numbers = [int(x) for x in asked.split("?")[0].split(", ")]
+            assert len(numbers) == count and int(row["answer"]) == max(numbers)
+
+
+def test_a_synthetic_task_is_an_evaluation_benchmark_under_its_name():
+    from cwgrpo_megatron.config import EvalConfig
+    from cwgrpo_megatron.eval.runner import benchmark_scorer, load_benchmarks
+
+    entry = "synthetic:largest5?n=8&seed=7"
+    EvalConfig(benchmarks=["heldout", entry])  # accepted as a source
+    (name, problems), = load_benchmarks([entry]).items()  # fmt: skip
+    assert name == "largest5" and len(problems) == 8
+    assert [p.answer for p in problems] == [r["answer"] for r in generate("largest5", 8, seed=7)]
+    assert benchmark_scorer(name) is None  # scored by the run's verifier (integer_answer)
 
 
 def test_source_options_and_errors():
     assert parse_source("synthetic:add") == ("add", 2000, 0)
     assert parse_source("synthetic:larger?n=50&seed=7") == ("larger", 50, 7)
-    with pytest.raises(ValueError, match="choose one of: add, larger, repeat"):
+    with pytest.raises(ValueError, match="choose one of: add, larger, largest3, largest5, repeat"):
         parse_source("synthetic:multiply")
     with pytest.raises(ValueError, match="unknown option"):
         parse_source("synthetic:add?size=3")
