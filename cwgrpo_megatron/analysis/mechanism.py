@@ -88,10 +88,10 @@ def mechanism_stats(run: Run) -> dict[str, float | None]:
         "slope dH / Cov": slope,
         "corr(dH, Cov)": corr,
         "corr(dH, raw Cov)": raw_corr,
-        "top-1% share of |c|": _mean(run, "cw/top1pct_cov_share"),
-        "top-1% share of |w~ c|": _mean(run, f"{weighted}top1pct_cov_share"),
-        "max |c|": _mean(run, "cw/cov_abs_max"),
-        "max |w~ c|": _mean(run, f"{weighted}cov_abs_max"),
+        "top-1% share of abs c": _mean(run, "cw/top1pct_cov_share"),
+        "top-1% share of abs w~ c": _mean(run, f"{weighted}top1pct_cov_share"),
+        "max abs c": _mean(run, "cw/cov_abs_max"),
+        "max abs w~ c": _mean(run, f"{weighted}cov_abs_max"),
     }
 
 

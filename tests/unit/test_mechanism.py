@@ -55,12 +55,12 @@ def test_the_slope_and_correlation_recover_a_planted_mechanism(tmp_path):
     assert stats["slope dH / Cov"] == pytest.approx(-0.5)  # against w~ c, the one applied
     assert stats["corr(dH, Cov)"] == pytest.approx(-1.0)
     assert stats["corr(dH, raw Cov)"] == pytest.approx(-1.0)  # w~ c = c / 2 here
-    assert stats["top-1% share of |c|"] == pytest.approx(0.2)
-    assert stats["top-1% share of |w~ c|"] == pytest.approx(0.1)
-    assert stats["max |c|"] == pytest.approx(3.0)  # step 6 (sigma = 0) is left out
+    assert stats["top-1% share of abs c"] == pytest.approx(0.2)
+    assert stats["top-1% share of abs w~ c"] == pytest.approx(0.1)
+    assert stats["max abs c"] == pytest.approx(3.0)  # step 6 (sigma = 0) is left out
     grpo = mechanism_stats(read_run(write_run(tmp_path / "g", "grpo", eta=2.0, weighted=False)))
     assert grpo["slope dH / Cov"] == pytest.approx(-2.0)
-    assert grpo["max |w~ c|"] == grpo["max |c|"] == pytest.approx(3.0)  # w~ = 1
+    assert grpo["max abs w~ c"] == grpo["max abs c"] == pytest.approx(3.0)  # w~ = 1
 
 
 def test_fit_needs_three_points_and_a_varying_covariance():
