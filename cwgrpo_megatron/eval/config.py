@@ -13,8 +13,8 @@ class EvalConfig:
     benchmarks: list[str] = field(default_factory=list)
     """Names: aime24, math500, amc23, minerva, olympiadbench (shipped with the package, in
     `cwgrpo_megatron/eval/data/`), heldout (data.heldout_size prompts of the training data); or
-    a .jsonl / .parquet file or a Hugging Face dataset id, reported under its file's stem or the
-    id's last part."""
+    a .jsonl / .parquet file, a synthetic task (synthetic:TASK?n=N&seed=S) or a Hugging Face
+    dataset id, reported under its file's stem, the task's name or the id's last part."""
     limit: int | None = None
     """First N problems of each benchmark; None: all."""
     n: int = 1
