@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from cwgrpo_megatron.common.processes import free_port
@@ -193,9 +194,10 @@ def test_one_process_with_vllm_writes_the_whole_run_folder(vllm_run):
     assert all(r["sync/gap"] <= r["sync/tol"] == 1e-4 for r in rows)
     assert rows[-1]["eval/heldout/avg@2"] >= 0.0  # run.eval_every=3: the last step evaluates
     # synchronous (rollout.async_steps=0): each step samples with the weights it trains, and
-    # no checkpoint holds rollouts made ahead
+    # no checkpoint holds rollouts made ahead, only the probe set (run.probe_groups, DYNAMIC)
     assert all(r["rollout/policy_lag"] == 0 and r["timing_s/rollout_wait"] < 0.01 for r in rows)
-    assert not list((vllm_run / "checkpoints").glob("*/data_objects.pt"))
+    kept = list((vllm_run / "checkpoints").glob("*/data_objects.pt"))
+    assert kept and all(set(torch.load(p, weights_only=False)) == {"probe"} for p in kept)
     # dynamic sampling: every step full of groups with a reward spread, after several rounds
     for r in rows:
         assert r["dynamic/groups_kept"] == 4 and r["dynamic/cap_reached"] == 0, r
