@@ -153,13 +153,9 @@ class Trainer:
                 self.rollouts.wake("kv_cache")
             with timer("sync"):
                 checked = self.sync.check(model, engine, step=step)
-            metrics = {
-                **rollout_metrics(scored),
-                **made.metrics,
-                **actor_metrics(results),
-                **probed,
-            }
-            metrics.update({"rollout/policy_lag": float(made.lag(step)), **pushed, **checked})
+            metrics = {**rollout_metrics(scored), **made.metrics, **actor_metrics(results)}
+            metrics.update({"rollout/policy_lag": float(made.lag(step)), **probed, **pushed})
+            metrics.update(checked)
             self.write_samples(step, scored)
             if _due(step, cfg.run.eval_every, cfg.train.total_steps) and self.cfg.eval.benchmarks:
                 with timer("eval"):
