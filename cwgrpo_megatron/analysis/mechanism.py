@@ -80,9 +80,10 @@ def _mean(run: Run, key: str) -> float | None:
 
 def mechanism_stats(run: Run) -> dict[str, float | None]:
     """The module docstring's per-run figures, by name."""
-    slope, corr = fit(*mechanism_points(run))
+    key = effective_key(run)
+    slope, corr = fit(*mechanism_points(run, key))
     _, raw_corr = fit(*mechanism_points(run, "cw/cov_mean"))
-    weighted = "cw/eff_" if run.series("cw/eff_cov_mean")[0] else "cw/"
+    weighted = key.removesuffix("cov_mean")  # cw/eff_ or cw/
     return {
         "steps with dH": len(entropy_changes(run)) or None,
         "slope dH / Cov": slope,
